@@ -1,0 +1,1 @@
+"""napari plugin for regkit (reader, writer, registration and inspection widgets)."""

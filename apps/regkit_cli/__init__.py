@@ -1,0 +1,1 @@
+"""The ``regkit`` command-line interface (typer)."""
