@@ -1,0 +1,31 @@
+import pytest
+import torch
+
+from regkit._backend import BackendError, load_kernels, resolve_backend
+
+
+def test_auto_on_cpu_picks_the_fastest_pytorch_face():
+    assert resolve_backend("auto", "cpu", "cpab", faces=("reference", "torch", "triton")) == "torch"
+    assert resolve_backend("auto", "cpu", "wtconv", faces=("reference", "triton")) == "reference"
+
+
+def test_explicit_faces_are_kept():
+    assert resolve_backend("reference", "cpu", "cpab", faces=("reference", "torch")) == "reference"
+
+
+def test_unknown_and_unoffered_backends_are_errors():
+    with pytest.raises(BackendError, match="unknown backend 'cuda'"):
+        resolve_backend("cuda", "cpu", "cpab", faces=("reference", "torch"))
+    with pytest.raises(BackendError, match="not offered"):
+        resolve_backend("torch", "cpu", "wtconv", faces=("reference", "triton"))
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(BackendError, match="needs CUDA"):
+        resolve_backend("triton", torch.device("cpu"), "cpab", faces=("reference", "triton"))
+
+
+def test_missing_kernel_module_is_a_clear_error():
+    with pytest.raises(BackendError, match="regkit_kernels.nonexistent"):
+        load_kernels("nonexistent")
