@@ -534,9 +534,7 @@ def _parse(text: str, label: str) -> _Layer:
 
 def _construct(loader: _Loader, node: yaml.Node, path: KeyPath, label: str, origins: dict[KeyPath, Origin]) -> Any:
     """Build the Python value of ``node`` (safe semantics), rejecting duplicate and non-string keys."""
-    if node.tag not in ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"):
-        return loader.construct_object(node, deep=True)  # scalars, and collections with explicit tags (!!set, ...)
-    if isinstance(node, yaml.MappingNode):
+    if isinstance(node, yaml.MappingNode) and node.tag == "tag:yaml.org,2002:map":
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
@@ -558,13 +556,13 @@ def _construct(loader: _Loader, node: yaml.Node, path: KeyPath, label: str, orig
             origins[(*path, key)] = (label, key_node.start_mark.line + 1)
             mapping[key] = _construct(loader, value_node, (*path, key), label, origins)
         return mapping
-    if isinstance(node, yaml.SequenceNode):
+    if isinstance(node, yaml.SequenceNode) and node.tag == "tag:yaml.org,2002:seq":
         items = []
         for i, item in enumerate(node.value):
             origins[(*path, i)] = (label, item.start_mark.line + 1)
             items.append(_construct(loader, item, (*path, i), label, origins))
         return items
-    return loader.construct_object(node, deep=True)
+    return loader.construct_object(node, deep=True)  # scalars, and collections with explicit tags (!!set, ...)
 
 
 def _from_python(data: Mapping[str, Any], label: str) -> _Layer:
@@ -638,9 +636,10 @@ def list_presets() -> list[str]:
 
 @dataclass(frozen=True)
 class _Source:
-    """A configuration file: its label in messages, its text, and the folder its relative paths start from."""
+    """A configuration file: its label in messages, its resolved path, its text, and the folder of relative paths."""
 
     label: str
+    path: Path
     text: str
     folder: Path
 
@@ -671,11 +670,11 @@ def _open(ref: str | Path, folder: Path, where: str) -> _Source:
         raise ConfigError(f"{where}{label}: not a UTF-8 text file") from None
     except OSError as err:
         raise ConfigError(f"{where}{label}: cannot read ({err.strerror})") from None
-    return _Source(label, text, path.parent.absolute())
+    return _Source(label, path.resolve(), text, path.parent.absolute())
 
 
-def _read_layers(source: _Source, chain: tuple[str, ...]) -> _Layer:
-    """The layer of ``source`` merged on top of the layers of its ``base`` chain."""
+def _read_layers(source: _Source, chain: tuple[Path, ...]) -> _Layer:
+    """The layer of ``source`` merged on top of the layers of its ``base`` chain (``chain``: the files below it)."""
     layer = _parse(source.text, source.label)
     data = _resolve_paths(layer.data, source.folder)
     if "base" not in data:
@@ -686,10 +685,11 @@ def _read_layers(source: _Source, chain: tuple[str, ...]) -> _Layer:
     if not isinstance(ref, str):
         raise ConfigError(f"{where}expected a preset name or a file path, got {_show(ref)}")
     base = _open(ref, source.folder, where)
-    if base.label in chain or base.label == source.label:
+    chain = (*chain, source.path)
+    if base.path in chain:
         raise ConfigError(f"{where}circular base {ref!r}")
     origins = {path: origin for path, origin in layer.origins.items() if path[:1] != ("base",)}
-    return _merge(_read_layers(base, (*chain, source.label)), _Layer(data, origins))
+    return _merge(_read_layers(base, chain), _Layer(data, origins))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

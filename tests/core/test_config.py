@@ -381,7 +381,7 @@ def test_unknown_and_circular_bases(tmp_path):
         f"{path}:2: base: 'demmo' is neither a YAML file nor a preset; did you mean 'demo'?"
     )
     _write(tmp_path, "base: b.yaml\n", "a.yaml")
-    _write(tmp_path, "base: a.yaml\n", "b.yaml")
+    _write(tmp_path, "base: ../" + tmp_path.name + "/a.yaml\n", "b.yaml")
     assert "circular base" in _error(str(tmp_path / "a.yaml"))
 
 
@@ -409,3 +409,20 @@ def test_dump_is_yaml_with_every_default():
     assert data["outputs"]["transform_h5"] is True
     assert data["stages"][-1]["prior"]["length_scale"] == 0.1
     assert data["stages"][-1]["tessellation"] == [4, 8]
+
+
+def test_anchors_and_aliases(tmp_path):
+    text = """\
+stages:
+  - type: affine
+    similarity: {name: ncc}
+    pyramid: &pyramid
+      - {shrink: 2, smoothing: 1.0}
+      - {shrink: 1, smoothing: 0.0}
+  - type: cpab
+    similarity: {name: ncc}
+    pyramid: *pyramid
+    tessellation: [4, 8]
+"""
+    cfg = load_config(str(_write(tmp_path, text)))
+    assert cfg.stages[0].pyramid == cfg.stages[1].pyramid
