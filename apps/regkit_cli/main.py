@@ -81,12 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:
         typer.echo("Aborted.", err=True)
         sys.exit(130)
-    except Exception as exc:  # click usage errors, RegkitError, OS errors
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
+    except typer.TyperException as exc:  # usage errors (typer >= 0.29 bundles click; its exceptions subclass this)
+        exc.show()  # type: ignore[attr-defined]
+        sys.exit(exc.exit_code)  # type: ignore[attr-defined]
+    except Exception as exc:  # RegkitError, OS errors
         if _state["debug"] or not isinstance(exc, RegkitError | OSError | MemoryError):
             raise
         typer.echo(f"error: {_error_line(exc)}", err=True)

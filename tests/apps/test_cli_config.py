@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
-from regkit_cli.main import main
 
 from regkit.config import load_config
-
-# main() reaches user errors through `import click`, which typer >= 0.2x no longer installs (it vendors click as
-# typer._click); strict, so that these start failing as a reminder once main.py no longer needs click.
-_CLICK_MISSING = pytest.mark.xfail(
-    importlib.util.find_spec("click") is None,
-    reason="apps/regkit_cli/main.py imports click, which is not installed",
-    raises=ModuleNotFoundError,
-    strict=True,
-)
+from regkit_cli.main import main
 
 
 def _run(argv: list[str]) -> int:
@@ -39,7 +28,6 @@ def test_show_prints_yaml_that_loads(capsys, tmp_path):
     assert load_config(str(path)) == load_config("brain-mri-3d")
 
 
-@_CLICK_MISSING
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -58,7 +46,6 @@ def test_invalid_file_is_one_line_on_stderr(capsys, tmp_path, text, expected):
     assert "Traceback" not in captured.err
 
 
-@_CLICK_MISSING
 def test_unknown_preset(capsys):
     assert _run(["check-config", "no-such-preset"]) == 1
     err = capsys.readouterr().err
