@@ -1,0 +1,723 @@
+"""regkit.io: reading and writing images with geometry, on real files (nibabel, dipy, nilearn, ITK examples) and on
+files written here in every supported format."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import SimpleITK as sitk
+import torch
+from nibabel.orientations import apply_orientation, axcodes2ornt, inv_ornt_aff, io_orientation, ornt_transform
+
+from regkit.errors import GeometryError, ImageDimensionError, ImageReadError, ImageValueError
+from regkit.io import (
+    Image,
+    ImageWriteError,
+    describe_image,
+    orientation_code,
+    read_image,
+    read_image_nibabel,
+    reorient,
+    write_image,
+)
+from regkit.spatial import Grid
+from tests.data import itk_example, nibabel_data
+
+LPS_FROM_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
+
+
+def rotation(angles_deg: tuple[float, float, float]) -> np.ndarray:
+    """Rotation matrix R = Rz Ry Rx for angles about x, y, z in degrees."""
+    ax, ay, az = np.radians(angles_deg)
+    rx = np.array([[1, 0, 0], [0, np.cos(ax), -np.sin(ax)], [0, np.sin(ax), np.cos(ax)]])
+    ry = np.array([[np.cos(ay), 0, np.sin(ay)], [0, 1, 0], [-np.sin(ay), 0, np.cos(ay)]])
+    rz = np.array([[np.cos(az), -np.sin(az), 0], [np.sin(az), np.cos(az), 0], [0, 0, 1]])
+    return rz @ ry @ rx
+
+
+def ras_affine(rot: np.ndarray, zooms: tuple[float, ...], offset: tuple[float, ...]) -> np.ndarray:
+    """4x4 voxel-to-RAS matrix with the given rotation, voxel sizes and translation."""
+    a = np.eye(4)
+    a[:3, :3] = rot @ np.diag(zooms)
+    a[:3, 3] = offset
+    return a
+
+
+def lps_world(image: Image) -> np.ndarray:
+    """LPS world points of all voxel centres, shape (*image.shape, ndim), float64."""
+    return image.grid.world_points(torch.float64).numpy()
+
+
+def nibabel_world(path: Path, affine: np.ndarray | None = None) -> np.ndarray:
+    """World points from a RAS affine (default: nibabel's img.affine), converted to LPS, in [k, j, i] layout."""
+    img = nib.load(path)
+    affine = img.affine if affine is None else affine
+    ijk = np.stack(np.meshgrid(*[np.arange(s) for s in img.shape[:3]], indexing="ij"), axis=-1)
+    ras = ijk @ affine[:3, :3].T + affine[:3, 3]
+    return (ras @ LPS_FROM_RAS[:3, :3].T).transpose(2, 1, 0, 3)
+
+
+def assert_one_line_naming(err: pytest.ExceptionInfo, path: Path) -> None:
+    message = str(err.value)
+    assert "\n" not in message, message
+    assert path.name in message, message
+
+
+@pytest.fixture(scope="module")
+def mni_path(tmp_path_factory) -> Path:
+    """nilearn's MNI152 2 mm template (RAS, uint8 with intensity scaling), saved as .nii.gz."""
+    datasets = pytest.importorskip("nilearn.datasets")
+    path = tmp_path_factory.mktemp("mni") / "mni152_2mm.nii.gz"
+    nib.save(datasets.load_mni152_template(resolution=2), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def aniso_vox_path() -> Path:
+    """dipy's aniso_vox.nii.gz: 4 x 4 x 5 mm voxels, oblique (about 35 degrees), LPS."""
+    dipy_data = pytest.importorskip("dipy.data")
+    return Path(dipy_data.__file__).parent / "files" / "aniso_vox.nii.gz"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Image
+
+
+def test_image_checks_shape_and_exposes_geometry() -> None:
+    grid = Grid.create((4, 3, 2), spacing=(0.5, 1.0, 2.0), origin=(1.0, 2.0, 3.0))
+    with pytest.raises(GeometryError, match=r"\(4, 3, 2\).*\(2, 3, 4\)"):
+        Image(torch.zeros(4, 3, 2), grid)
+    image = Image(torch.zeros(2, 3, 4), grid)
+    assert image.ndim == 3 and image.shape == (2, 3, 4)
+    np.testing.assert_array_equal(image.spacing, [0.5, 1.0, 2.0])
+    np.testing.assert_array_equal(image.origin, [1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(image.direction, np.eye(3))
+    index = torch.tensor([[3.0, 2.0, 1.0]], dtype=torch.float64)
+    torch.testing.assert_close(image.index_to_world(index), torch.tensor([[2.5, 4.0, 5.0]], dtype=torch.float64))
+    torch.testing.assert_close(image.world_to_index(image.index_to_world(index)), index)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Real inputs: geometry, orientation and values
+
+
+def test_anatomical_nii_is_las_with_header_geometry() -> None:
+    path = nibabel_data("anatomical.nii")
+    image = read_image(path)
+    assert orientation_code(image.grid) == "LAS" == "".join(nib.aff2axcodes(nib.load(path).affine))
+    assert image.data.dtype == torch.int16  # stored big-endian int16; kept as int16
+    assert image.grid.size == (33, 41, 25) and image.shape == (25, 41, 33)
+    np.testing.assert_array_equal(image.spacing, [2.0, 2.0, 2.0])
+    np.testing.assert_array_equal(image.origin, [-32.0, 40.0, -16.0])  # RAS (32, -40, -16) in LPS
+    np.testing.assert_array_equal(image.direction, np.diag([1.0, -1.0, 1.0]))
+    # Layout: tensor[k, j, i] is nibabel's array[i, j, k], and every voxel has nibabel's world position.
+    np.testing.assert_array_equal(image.data.numpy(), np.asarray(nib.load(path).dataobj).transpose(2, 1, 0))
+    np.testing.assert_allclose(lps_world(image), nibabel_world(path), atol=1e-5)
+
+
+def test_ras_mni_template_and_oblique_lps_dipy_volume(mni_path: Path, aniso_vox_path: Path) -> None:
+    mni = read_image(mni_path)
+    assert orientation_code(mni.grid) == "RAS"
+    assert mni.data.dtype == torch.float32  # uint8 on disk with scl_slope: scaled, as ITK does
+    np.testing.assert_allclose(mni.data.numpy(), np.asarray(nib.load(mni_path).dataobj).transpose(2, 1, 0), rtol=1e-6)
+    np.testing.assert_allclose(lps_world(mni), nibabel_world(mni_path), atol=1e-5)
+
+    aniso = read_image(aniso_vox_path)
+    assert orientation_code(aniso.grid) == "LPS" == "".join(nib.aff2axcodes(nib.load(aniso_vox_path).affine))
+    np.testing.assert_allclose(aniso.spacing, [4.0, 4.0, 5.0])
+    assert describe_image(aniso)["direction"].endswith("deg")  # oblique
+    np.testing.assert_allclose(lps_world(aniso), nibabel_world(aniso_vox_path), atol=1e-3)
+
+
+def _nifti_sources(tmp: Path) -> dict[str, tuple[Path, np.ndarray]]:
+    """NIfTI files with sform/qform combinations, each with the RAS affine ITK must use for it."""
+    data = np.arange(5 * 6 * 7, dtype=np.float32).reshape(5, 6, 7)
+    zooms = (1.5, 2.0, 2.5)
+    s_aff = ras_affine(rotation((10, 20, 30)), zooms, (10.0, -20.0, 30.0))
+    q_aff = ras_affine(rotation((-15, 5, 40)), zooms, (-5.0, 7.0, 9.0))
+    sheared = s_aff.copy()
+    sheared[0, 1] += 0.7
+    cases = {  # name: (sform, sform_code, qform, qform_code, affine ITK uses)
+        "sform_scanner_differs_from_qform": (s_aff, 1, q_aff, 1, s_aff),
+        "sform_aligned_differs_from_qform": (s_aff, 2, q_aff, 1, q_aff),  # nibabel's img.affine would be the sform
+        "qform_only": (s_aff, 0, q_aff, 1, q_aff),
+        "sform_only": (s_aff, 2, q_aff, 0, s_aff),
+        "sheared_sform_with_qform": (sheared, 2, q_aff, 1, q_aff),
+        "no_orientation": (s_aff, 0, q_aff, 0, np.diag([-1.5, -2.0, 2.5, 1.0])),
+    }
+    out = {}
+    for name, (sform, scode, qform, qcode, expected) in cases.items():
+        img = nib.Nifti1Image(data, None)
+        img.set_sform(sform, code=scode)
+        img.set_qform(qform, code=qcode)
+        nib.save(img, tmp / f"{name}.nii.gz")
+        out[name] = (tmp / f"{name}.nii.gz", expected)
+    return out
+
+
+def test_sform_qform_choice_follows_itk(tmp_path: Path) -> None:
+    for name, (path, expected_ras) in _nifti_sources(tmp_path).items():
+        image = read_image(path)
+        itk = sitk.ReadImage(str(path))  # raw SimpleITK, for reference
+        np.testing.assert_allclose(image.origin, itk.GetOrigin(), atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(image.direction.ravel(), itk.GetDirection(), atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(lps_world(image), nibabel_world(path, expected_ras), atol=1e-4, err_msg=name)
+    # Where ITK does not take the sform although sform_code > 0, nibabel's own img.affine disagrees with ITK.
+    path, expected = _nifti_sources(tmp_path)["sform_aligned_differs_from_qform"]
+    assert not np.allclose(nib.load(path).affine, expected, atol=1e-3)
+
+
+def test_sheared_sform_without_qform_is_refused_by_both_readers(tmp_path: Path) -> None:
+    affine = ras_affine(np.eye(3), (1.0, 1.0, 1.0), (0.0, 0.0, 0.0))
+    affine[0, 1] = 0.5
+    img = nib.Nifti1Image(np.zeros((3, 4, 5), np.float32), None)
+    img.set_sform(affine, code=2)
+    img.set_qform(None, code=0)
+    path = tmp_path / "sheared.nii"
+    nib.save(img, path)
+    for reader in (read_image, read_image_nibabel):
+        with pytest.raises(GeometryError, match="shear") as err:
+            reader(path)
+        assert_one_line_naming(err, path)
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["anatomical.nii", "resampled_anat_moved.nii", "reoriented_anat_moved.nii", "aniso_vox", "mni", "itk_kmeans"],
+)
+def test_simpleitk_and_nibabel_readers_agree(source: str, mni_path: Path, aniso_vox_path: Path) -> None:
+    path = {"aniso_vox": aniso_vox_path, "mni": mni_path}.get(source)
+    if source == "itk_kmeans":
+        path = itk_example("KmeansTest_T1UCharRaw.nii.gz")  # 128 x 128 x 62, coronal-like direction
+    path = path or nibabel_data(source)
+    a = read_image(path, check_finite=False)
+    b = read_image_nibabel(path)
+    assert a.grid.size == b.grid.size and a.data.dtype == b.data.dtype
+    np.testing.assert_allclose(lps_world(a), lps_world(b), atol=1e-4)
+    torch.testing.assert_close(a.data, b.data, equal_nan=True, rtol=0, atol=0)
+    # The voxels also match SimpleITK's own reading wherever they are finite (ITK's NIfTI reader zeroes NaN/Inf).
+    itk_voxels = sitk.GetArrayFromImage(sitk.ReadImage(str(path)))
+    finite = np.isfinite(a.data.numpy())
+    np.testing.assert_array_equal(a.data.numpy()[finite], itk_voxels[finite])
+
+
+def test_nibabel_reader_agrees_on_sform_qform_cases(tmp_path: Path) -> None:
+    for name, (path, _) in _nifti_sources(tmp_path).items():
+        np.testing.assert_allclose(
+            lps_world(read_image(path)), lps_world(read_image_nibabel(path)), atol=1e-4, err_msg=name
+        )
+
+
+def test_itk_example_2d_slices_mhd_nrrd_and_png_agree() -> None:
+    plus30 = read_image(itk_example("BrainProtonDensitySliceBorder20DirectionPlus30.mhd"))
+    c, s = np.cos(np.radians(30)), np.sin(np.radians(30))
+    np.testing.assert_allclose(plus30.direction, [[c, -s], [s, c]], atol=1e-7)  # columns: i (c, s), j (-s, c)
+    assert plus30.ndim == 2 and plus30.data.dtype == torch.uint8 and plus30.shape == (257, 221)
+    assert orientation_code(plus30.grid) == "LP"
+    minus30 = read_image(itk_example("BrainProtonDensitySliceBorder20DirectionMinus30.mhd"))
+    np.testing.assert_allclose(minus30.direction, [[c, s], [-s, c]], atol=1e-7)
+    nrrd = read_image(itk_example("BrainProtonDensitySliceBorder20DirectionPlus30.nhdr"))  # 6 digits in the text
+    np.testing.assert_allclose(lps_world(nrrd), lps_world(plus30), atol=1e-4)
+    # The PNG is the same slice stored as RGB with equal channels: read as gray, identity geometry.
+    png = read_image(itk_example("BrainProtonDensitySliceBorder20.png"))
+    torch.testing.assert_close(png.data, plus30.data, rtol=0, atol=0)
+    np.testing.assert_array_equal(png.direction, np.eye(2))
+    for name in ("BrainProtonDensitySliceShifted13x17y", "BrainProtonDensitySliceShifted13x17yDirectionPlus30"):
+        mhd, nhdr = read_image(itk_example(f"{name}.mhd")), read_image(itk_example(f"{name}.nhdr"))
+        torch.testing.assert_close(mhd.data, nhdr.data, rtol=0, atol=0)
+        np.testing.assert_allclose(lps_world(mhd), lps_world(nhdr), atol=1e-4)
+    volume = read_image(itk_example("BrainProtonDensity3Slices.mha"))
+    assert volume.shape == (3, 217, 181)
+    assert read_image(itk_example("BrainProtonDensity3Slices.mha"), ndim=3).shape == (3, 217, 181)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The same anatomy, whatever the orientation on disk
+
+
+def _landmark_volume() -> tuple[np.ndarray, np.ndarray]:
+    """An asymmetric [i, j, k] int16 volume with one brightest voxel, and its LPS-oriented RAS affine."""
+    rng = np.random.default_rng(7)
+    data = rng.integers(0, 1000, size=(9, 10, 11)).astype(np.int16)
+    data[2, 7, 3] = 5000
+    return data, ras_affine(np.diag([-1.0, -1.0, 1.0]), (0.8, 1.1, 1.7), (40.0, 25.0, -12.0))  # LPS on disk
+
+
+def test_landmark_has_one_world_position_in_lps_ras_las_and_oblique_files(tmp_path: Path) -> None:
+    data, affine = _landmark_volume()
+    ijk = np.array([2, 7, 3, 1.0])
+    landmark_ras = affine @ ijk
+    landmark_lps = (LPS_FROM_RAS @ landmark_ras)[:3]
+    reference = read_image(_save(nib.Nifti1Image(data, affine), tmp_path / "lps.nii.gz"))
+    assert orientation_code(reference.grid) == "LPS"
+    for code in ("RAS", "LAS", "PIR", "SLA"):  # flip/permute the array and update the header, with nibabel
+        transform = ornt_transform(io_orientation(affine), axcodes2ornt(tuple(code)))
+        img = nib.Nifti1Image(apply_orientation(data, transform), affine @ inv_ornt_aff(transform, data.shape))
+        image = read_image(_save(img, tmp_path / f"{code}.nii.gz"))
+        assert orientation_code(image.grid) == code
+        _assert_landmark_at(image, landmark_lps)
+        _assert_same_world_values(image, reference)
+    # Oblique: a rotated grid with the landmark voxel placed where that grid reaches the same world point.
+    oblique = ras_affine(rotation((20, -35, 50)), (0.8, 1.1, 1.7), (0.0, 0.0, 0.0))
+    place = np.array([4, 3, 6, 1.0])
+    oblique[:3, 3] = landmark_ras[:3] - oblique[:3, :3] @ place[:3]
+    volume = np.zeros((9, 10, 11), np.int16)
+    volume[4, 3, 6] = 5000
+    _assert_landmark_at(read_image(_save(nib.Nifti1Image(volume, oblique), tmp_path / "oblique.nii.gz")), landmark_lps)
+    # The same through write_image in MetaImage and NRRD, after reorient().
+    for code, ext in (("RAS", ".mha"), ("LAS", ".nrrd"), ("IPL", ".mhd")):
+        written = read_image(write_image(reorient(reference, code), tmp_path / f"re_{code}{ext}"))
+        assert orientation_code(written.grid) == code
+        _assert_landmark_at(written, landmark_lps)
+
+
+def _save(img: nib.Nifti1Image, path: Path) -> Path:
+    nib.save(img, path)
+    return path
+
+
+def _assert_landmark_at(image: Image, world_lps: np.ndarray) -> None:
+    """The brightest voxel of ``image`` has its centre at ``world_lps``."""
+    kji = np.unravel_index(int(image.data.argmax()), image.shape)
+    world = image.index_to_world(torch.tensor(kji[::-1], dtype=torch.float64)).numpy()
+    np.testing.assert_allclose(world, world_lps, atol=1e-4)
+
+
+def _assert_same_world_values(image: Image, reference: Image) -> None:
+    """Every voxel of ``image`` holds the value ``reference`` has at the same world point (grids of equal voxels)."""
+    index = reference.world_to_index(image.grid.world_points(torch.float64))
+    rounded = index.round()
+    assert (index - rounded).abs().max() < 1e-4  # NIfTI stores the geometry as float32
+    tensor_index = rounded.long().unbind(-1)[::-1]  # (i, j[, k]) -> [k,] j, i
+    torch.testing.assert_close(reference.data[tensor_index], image.data, rtol=0, atol=0)
+
+
+def test_as_closest_canonical_copy_of_anatomical_keeps_every_voxel_in_place(tmp_path: Path) -> None:
+    path = nibabel_data("anatomical.nii")
+    canonical = read_image(_save(nib.as_closest_canonical(nib.load(path)), tmp_path / "canonical.nii"))
+    assert orientation_code(canonical.grid) == "RAS"
+    _assert_same_world_values(canonical, read_image(path))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# orientation_code and reorient
+
+
+def test_orientation_code_matches_nibabel_for_signed_permutations_and_oblique_directions() -> None:
+    rng = np.random.default_rng(0)
+    directions = []
+    for perm in itertools.permutations(range(3)):
+        for signs in itertools.product((1.0, -1.0), repeat=3):
+            directions.append(np.eye(3)[:, perm] * signs)
+    for _ in range(40):
+        q, _ = np.linalg.qr(rng.normal(size=(3, 3)))
+        directions.append(q)
+    for lps in directions:
+        grid = Grid.create((4, 5, 6), spacing=(1.0, 2.0, 3.0), direction=lps)
+        ras = LPS_FROM_RAS @ grid.affine()
+        assert orientation_code(grid) == "".join(nib.aff2axcodes(ras)), lps
+    assert orientation_code(Grid.create((4, 5))) == "LP"
+    assert orientation_code(Grid.create((4, 5), direction=[[0, -1], [-1, 0]])) == "AR"
+
+
+@pytest.mark.parametrize("oblique", [False, True])
+def test_reorient_moves_voxels_with_the_header(oblique: bool) -> None:
+    rng = np.random.default_rng(1)
+    direction = rotation((12, -25, 33)) if oblique else np.diag([1.0, -1.0, 1.0])
+    grid = Grid.create((5, 6, 7), spacing=(0.7, 1.3, 2.1), origin=(-3.0, 8.0, 11.0), direction=direction)
+    image = Image(torch.from_numpy(rng.normal(size=grid.shape)), grid)
+    for code in ("RAS", "LPS", "IRP", "ASL"):
+        out = reorient(image, code)
+        assert orientation_code(out.grid) == code
+        _assert_same_world_values(out, image)
+        back = reorient(out, orientation_code(grid))
+        torch.testing.assert_close(back.data, image.data, rtol=0, atol=0)
+        np.testing.assert_allclose(lps_world(back), lps_world(image), atol=1e-12)
+    image2d = Image(torch.arange(12.0).reshape(3, 4), Grid.create((4, 3), spacing=(0.5, 2.0), origin=(1.0, 2.0)))
+    for code in ("RA", "AL", "PR"):
+        out = reorient(image2d, code)
+        assert orientation_code(out.grid) == code
+        _assert_same_world_values(out, image2d)
+    for bad in ("RAX", "RRS", "RA", "LPSI"):
+        with pytest.raises(GeometryError, match="orientation code"):
+            reorient(image, bad)
+    with pytest.raises(GeometryError, match="orientation code"):
+        reorient(image2d, "RS")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Round trips
+
+
+DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32, torch.float64]
+# Largest direction/spacing/origin error of each format for arbitrary float64 geometry (see regkit.io's docstring).
+GEOMETRY_ATOL = {".nii": 2e-5, ".nii.gz": 2e-5, ".mha": 0.0, ".mhd": 0.0, ".nrrd": 1e-15, ".nhdr": 1e-15}
+
+
+def _random_image(ndim: int, dtype: torch.dtype, oblique: bool, seed: int = 0) -> Image:
+    rng = np.random.default_rng(seed)
+    size = (7, 6, 5)[:ndim]
+    if oblique:
+        direction = rotation((17, -31, 45)) if ndim == 3 else rotation((0, 0, 30))[:2, :2]
+    else:
+        direction = np.eye(ndim)
+    grid = Grid.create(size, rng.uniform(0.3, 3.0, ndim), rng.uniform(-150, 150, ndim), direction)
+    if dtype.is_floating_point:
+        data = torch.from_numpy(rng.normal(size=grid.shape) * 1e3).to(dtype)
+        data.view(-1)[0] = torch.finfo(dtype).max  # extremes survive bit for bit
+        data.view(-1)[1] = torch.finfo(dtype).tiny
+    else:
+        info = torch.iinfo(dtype)
+        data = torch.from_numpy(rng.integers(info.min, info.max, size=grid.shape, endpoint=True)).to(dtype)
+        data.view(-1)[0], data.view(-1)[1] = info.min, info.max
+    return Image(data, grid)
+
+
+@pytest.mark.parametrize("ext", list(GEOMETRY_ATOL))
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_round_trip_is_bit_exact_for_values_and_keeps_geometry(tmp_path: Path, ext: str, ndim: int) -> None:
+    for dtype, oblique in itertools.product(DTYPES, (False, True)):
+        image = _random_image(ndim, dtype, oblique)
+        path = write_image(image, tmp_path / f"img_{dtype}_{oblique}{ext}".replace("torch.", ""))
+        back = read_image(path)
+        assert back.data.dtype == dtype and back.shape == image.shape, (dtype, ext)
+        assert torch.equal(back.data, image.data), (dtype, ext)
+        atol = GEOMETRY_ATOL[ext]
+        rtol = 1e-7 if ext.startswith(".nii") else 0.0
+        np.testing.assert_allclose(back.direction, image.direction, atol=atol, rtol=0)
+        np.testing.assert_allclose(back.spacing, image.spacing, atol=0, rtol=rtol)
+        np.testing.assert_allclose(back.origin, image.origin, atol=0, rtol=rtol)
+    assert sorted(os.listdir(tmp_path)) == sorted(_expected_files(tmp_path, ext))
+
+
+def _expected_files(folder: Path, ext: str) -> list[str]:
+    """Header files written in ``folder`` plus the companion data file .mhd/.nhdr need; no temporary leftovers."""
+    headers = [p.name for p in folder.iterdir() if p.name.endswith(ext)]
+    companion = {".mhd": ".zraw", ".nhdr": ".raw.gz"}.get(ext)
+    return headers + [h.removesuffix(ext) + companion for h in headers] if companion else headers
+
+
+def test_nifti_geometry_is_exact_when_float32_holds_it(tmp_path: Path) -> None:
+    direction = np.eye(3)[:, [1, 0, 2]] * [1.0, -1.0, -1.0]
+    grid = Grid.create((4, 5, 6), spacing=(0.5, 1.25, 2.0), origin=(-90.25, 126.5, -72.0), direction=direction)
+    image = Image(torch.arange(120, dtype=torch.float32).reshape(grid.shape), grid)
+    back = read_image(write_image(image, tmp_path / "exact.nii.gz"))
+    assert back.grid == grid
+
+
+def test_companion_files_are_written_under_the_final_name(tmp_path: Path) -> None:
+    image = _random_image(3, torch.int16, oblique=True)
+    write_image(image, tmp_path / "scan.mhd")
+    write_image(image, tmp_path / "scan.nhdr")
+    assert "ElementDataFile = scan.zraw" in (tmp_path / "scan.mhd").read_text()
+    assert "data file: scan.raw.gz" in (tmp_path / "scan.nhdr").read_text()
+    assert sorted(os.listdir(tmp_path)) == ["scan.mhd", "scan.nhdr", "scan.raw.gz", "scan.zraw"]
+    # Overwriting replaces both files.
+    write_image(Image(image.data + 1, image.grid), tmp_path / "scan.mhd")
+    assert torch.equal(read_image(tmp_path / "scan.mhd").data, image.data + 1)
+
+
+def test_png_round_trip_keeps_8_and_16_bit_values_and_spacing(tmp_path: Path) -> None:
+    grid = Grid.create((5, 4), spacing=(0.5, 0.25))
+    u8 = Image(torch.arange(20, dtype=torch.uint8).reshape(4, 5) * 12, grid)
+    assert torch.equal(read_image(write_image(u8, tmp_path / "u8.png")).data, u8.data)
+    u16 = Image(torch.arange(20, dtype=torch.int32).reshape(4, 5) * 3000 + 5, grid)  # uint16 in the file
+    back = read_image(write_image(u16, tmp_path / "u16.png"))
+    assert back.data.dtype == torch.int32 and torch.equal(back.data, u16.data)
+    np.testing.assert_array_equal(back.spacing, [0.5, 0.25])
+    moved = Image(u8.data, Grid.create((5, 4), origin=(3.0, 4.0)))
+    with pytest.warns(UserWarning, match="origin"):
+        write_image(moved, tmp_path / "moved.png")
+    for bad, match in (
+        (Image(u16.data - 10, grid), "unsigned"),
+        (Image(u8.data.float(), grid), "unsigned"),
+        (_random_image(3, torch.uint8, False), "2D"),
+    ):
+        with pytest.raises(ImageWriteError, match=match):
+            write_image(bad, tmp_path / "bad.png")
+    assert not (tmp_path / "bad.png").exists()
+
+
+def test_unsigned_types_are_widened_and_bool_half_are_written_as_uint8_float32(tmp_path: Path) -> None:
+    values = np.array([[0, 1, 65535], [7, 8, 9]], dtype=np.uint16)
+    for dtype, expected in ((np.uint16, torch.int32), (np.uint32, torch.int64), (np.uint64, torch.int64)):
+        itk = sitk.GetImageFromArray(values.astype(dtype) * (65536 if dtype != np.uint16 else 1))
+        sitk.WriteImage(itk, str(tmp_path / "u.mha"))
+        image = read_image(tmp_path / "u.mha")
+        assert image.data.dtype == expected
+        np.testing.assert_array_equal(image.data.numpy(), sitk.GetArrayFromImage(itk).astype(np.int64))
+    big = sitk.GetImageFromArray(np.array([[2**63 + 5]], dtype=np.uint64))
+    sitk.WriteImage(big, str(tmp_path / "big.mha"))
+    with pytest.raises(ImageValueError, match="uint64") as err:
+        read_image(tmp_path / "big.mha")
+    assert_one_line_naming(err, tmp_path / "big.mha")
+    grid = Grid.create((3, 2))
+    mask = read_image(
+        write_image(Image(torch.tensor([[True, False, True], [False, True, False]]), grid), tmp_path / "mask.nii.gz")
+    )
+    assert mask.data.dtype == torch.uint8 and mask.data.tolist() == [[1, 0, 1], [0, 1, 0]]
+    half = read_image(write_image(Image(torch.full((2, 3), 0.5, dtype=torch.float16), grid), tmp_path / "h.mha"))
+    assert half.data.dtype == torch.float32 and torch.all(half.data == 0.5)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# DICOM series
+
+
+def _write_dicom_series(folder: Path, image: sitk.Image, series_uid: str) -> None:
+    """Write a 3D int16 image as one DICOM file per slice, with the position/orientation tags a series needs."""
+    folder.mkdir(exist_ok=True)
+    direction = np.array(image.GetDirection()).reshape(3, 3)
+    orientation = "\\".join(f"{v:.12g}" for v in (*direction[:, 0], *direction[:, 1]))
+    writer = sitk.ImageFileWriter()
+    writer.KeepOriginalImageUIDOn()
+    for k in range(image.GetDepth()):
+        slice_k = image[:, :, k]
+        position = "\\".join(f"{v:.12g}" for v in image.TransformIndexToPhysicalPoint((0, 0, k)))
+        tags = {
+            "0008|0060": "MR",
+            "0020|000d": "1.2.826.0.1.3680043.2.1125.7",
+            "0020|000e": series_uid,
+            "0008|0018": f"{series_uid}.{k + 1}",
+            "0020|0013": str(k + 1),
+            "0020|0032": position,
+            "0020|0037": orientation,
+            "0018|0050": f"{image.GetSpacing()[2]:.12g}",
+        }
+        for tag, value in tags.items():
+            slice_k.SetMetaData(tag, value)
+        writer.SetFileName(str(folder / f"{series_uid[-3:]}_{k:03d}.dcm"))
+        writer.Execute(slice_k)
+
+
+def test_dicom_series_folder_is_read_with_its_geometry(tmp_path: Path) -> None:
+    voxels = (np.arange(4 * 5 * 6).reshape(4, 5, 6) * 7 - 50).astype(np.int16)
+    itk = sitk.GetImageFromArray(voxels)
+    itk.SetDirection(rotation((10, -20, 30)).ravel().tolist())
+    itk.SetSpacing((0.8, 0.9, 2.5))
+    itk.SetOrigin((-10.5, 20.25, 33.0))
+    _write_dicom_series(tmp_path / "series", itk, "1.2.826.0.1.3680043.2.1125.7.101")
+    image = read_image(tmp_path / "series")
+    assert image.data.dtype == torch.int16
+    np.testing.assert_array_equal(image.data.numpy(), voxels)
+    np.testing.assert_allclose(image.spacing, itk.GetSpacing(), rtol=1e-8)
+    np.testing.assert_allclose(image.origin, itk.GetOrigin(), atol=1e-8)
+    np.testing.assert_allclose(image.direction.ravel(), itk.GetDirection(), atol=1e-9)
+    # A second series in the same folder: the first one is read, with a warning.
+    _write_dicom_series(tmp_path / "series", itk[:, :, :2], "1.2.826.0.1.3680043.2.1125.7.102")
+    with pytest.warns(UserWarning, match="2 DICOM series"):
+        read_image(tmp_path / "series")
+
+
+def test_folder_without_dicom_series_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "empty_study"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("no images here")
+    with pytest.raises(ImageReadError, match="no DICOM series") as err:
+        read_image(folder)
+    assert_one_line_naming(err, folder)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Bad input: one specific exception and one line naming the file
+
+
+def _write_mha(path: Path, *, spacing: str = "1 1 1", matrix: str = "1 0 0 0 1 0 0 0 1") -> Path:
+    """A 4 x 3 x 2 int16 MetaImage with the given header fields (text, as ITK would store them)."""
+    header = (
+        f"ObjectType = Image\nNDims = 3\nBinaryData = True\nBinaryDataByteOrderMSB = False\n"
+        f"TransformMatrix = {matrix}\nOffset = 0 0 0\nElementSpacing = {spacing}\nDimSize = 4 3 2\n"
+        f"ElementType = MET_SHORT\nElementDataFile = LOCAL\n"
+    )
+    path.write_bytes(header.encode() + np.arange(24, dtype="<i2").tobytes())
+    return path
+
+
+def _write_nifti(path: Path, data: np.ndarray, zooms: tuple[float, ...] | None = None, **header) -> Path:
+    img = nib.Nifti1Image(data, np.eye(4))
+    if zooms is not None:
+        img.header["pixdim"][1 : len(zooms) + 1] = zooms
+    for key, value in header.items():
+        img.header[key] = value
+    nib.save(img, path)
+    return path
+
+
+def test_missing_file_and_unknown_extension(tmp_path: Path) -> None:
+    with pytest.raises(ImageReadError, match="no such file") as err:
+        read_image(tmp_path / "absent.nii.gz")
+    assert_one_line_naming(err, tmp_path / "absent.nii.gz")
+    (tmp_path / "scan.img.bz2").write_bytes(b"x")
+    with pytest.raises(ImageReadError, match=r"\.nii\.gz.*\.nrrd.*DICOM folder") as err:
+        read_image(tmp_path / "scan.img.bz2")
+    assert_one_line_naming(err, tmp_path / "scan.img.bz2")
+    with pytest.raises(ImageReadError, match="NIfTI files"):
+        read_image_nibabel(itk_example("BrainProtonDensity3Slices.mha"))
+
+
+def test_truncated_and_corrupt_files(tmp_path: Path) -> None:
+    full = _write_nifti(tmp_path / "full.nii.gz", np.random.default_rng(0).random((20, 20, 20), dtype=np.float32))
+    blob = full.read_bytes()
+    cases = {
+        "truncated.nii.gz": blob[: len(blob) * 2 // 3],  # ITK alone would fill the missing voxels with 0
+        "crc.nii.gz": blob[:-8] + bytes([blob[-8] ^ 0xFF]) + blob[-7:],
+        "garbage.nii.gz": b"not an image at all" * 10,
+        "empty.nii": b"",
+    }
+    plain = _write_nifti(tmp_path / "plain.nii", np.zeros((20, 20, 20), np.float32)).read_bytes()
+    cases["truncated.nii"] = plain[: len(plain) // 2]
+    mha = _write_mha(tmp_path / "ok.mha").read_bytes()
+    cases["truncated.mha"] = mha[:-10]
+    for name, content in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        readers = (read_image, read_image_nibabel) if ".nii" in name else (read_image,)
+        for reader in readers:
+            with pytest.raises(ImageReadError, match=r"corrupt|truncated") as err:
+                reader(path)
+            assert_one_line_naming(err, path)
+
+
+def test_four_and_five_dimensional_and_vector_images(tmp_path: Path) -> None:
+    path = _write_nifti(tmp_path / "bold.nii.gz", np.zeros((9, 10, 11, 4), np.float32))
+    with pytest.raises(ImageDimensionError, match=r"4 dimensions \(9x10x11x4\).*axis 4.*fslroi") as err:
+        read_image(path)
+    assert_one_line_naming(err, path)
+    with pytest.raises(ImageDimensionError, match=r"4 dimensions"):
+        read_image_nibabel(path)
+    one_volume = _write_nifti(tmp_path / "one.nii.gz", np.zeros((9, 10, 11, 1), np.float32))
+    assert read_image(one_volume).shape == (11, 10, 9) == read_image_nibabel(one_volume).shape
+    five = _write_nifti(tmp_path / "five.nii.gz", np.zeros((9, 10, 11, 2, 3), np.float32))
+    with pytest.raises(ImageDimensionError, match=r"5 dimensions \(9x10x11x2x3\)") as err:
+        read_image(five)
+    assert_one_line_naming(err, five)
+    vector = nib.Nifti1Image(np.zeros((9, 10, 11, 1, 3), np.float32), np.eye(4))
+    vector.header.set_intent("vector")  # a displacement field as ITK/ANTs store it
+    nib.save(vector, tmp_path / "warp.nii.gz")
+    with pytest.raises(ImageDimensionError, match="3 components") as err:
+        read_image(tmp_path / "warp.nii.gz")
+    assert_one_line_naming(err, tmp_path / "warp.nii.gz")
+    red, gray = sitk.Image(4, 5, sitk.sitkUInt8) + 200, sitk.Image(4, 5, sitk.sitkUInt8) + 9
+    rgb = sitk.Compose([red, gray, gray])
+    sitk.WriteImage(rgb, str(tmp_path / "colour.png"))
+    with pytest.raises(ImageDimensionError, match="RGB") as err:
+        read_image(tmp_path / "colour.png")
+    assert_one_line_naming(err, tmp_path / "colour.png")
+
+
+def test_single_slice_volumes_and_ndim(tmp_path: Path) -> None:
+    data = np.arange(20, dtype=np.float32).reshape(5, 4, 1)
+    path = _write_nifti(tmp_path / "slice.nii.gz", data)
+    assert read_image(path).shape == (1, 4, 5)
+    flat = read_image(path, ndim=2)
+    assert flat.shape == (4, 5) and flat.ndim == 2
+    np.testing.assert_array_equal(flat.data.numpy(), data[:, :, 0].T)
+    stack = _write_nifti(tmp_path / "stack.nii.gz", np.zeros((5, 4, 3), np.float32))
+    with pytest.raises(ImageDimensionError, match=r"2D image here.*axis 3") as err:
+        read_image(stack, ndim=2)
+    assert_one_line_naming(err, stack)
+    png = itk_example("BrainProtonDensitySliceBorder20.png")
+    with pytest.raises(ImageDimensionError, match="3D volume is expected") as err:
+        read_image(png, ndim=3)
+    assert_one_line_naming(err, png)
+    tilted = sitk.GetImageFromArray(np.zeros((1, 4, 5), np.float32))
+    tilted.SetDirection(rotation((30, 0, 0)).ravel().tolist())
+    sitk.WriteImage(tilted, str(tmp_path / "tilted.mha"))
+    assert read_image(tmp_path / "tilted.mha").ndim == 3
+    with pytest.raises(ImageDimensionError, match="oblique") as err:
+        read_image(tmp_path / "tilted.mha", ndim=2)
+    assert_one_line_naming(err, tmp_path / "tilted.mha")
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "match"),
+    [
+        ("zero_spacing.mha", lambda p: _write_mha(p, spacing="0 1 1"), "spacing"),
+        ("negative_spacing.mha", lambda p: _write_mha(p, spacing="-1 1 1"), "spacing"),
+        ("singular.mha", lambda p: _write_mha(p, matrix="1 0 0 1 0 0 0 0 1"), "singular"),
+        ("skewed.mha", lambda p: _write_mha(p, matrix="1 0 0 0.5 1 0 0 0 1"), "orthonormal"),
+        ("zero_pixdim.nii", lambda p: _write_nifti(p, np.zeros((3, 4, 5), np.int16), zooms=(0.0, 1.0, 1.0)), "pixdim"),
+        ("negative_pixdim.nii.gz", lambda p: _write_nifti(p, np.zeros((3, 4, 5), np.int16), zooms=(1, -2, 1)), "pix"),
+    ],
+)
+def test_invalid_geometry(tmp_path: Path, name: str, make, match: str) -> None:
+    path = make(tmp_path / name)
+    readers = (read_image, read_image_nibabel) if ".nii" in name else (read_image,)
+    for reader in readers:
+        with pytest.raises(GeometryError, match=match) as err:
+            reader(path)
+        assert_one_line_naming(err, path)
+
+
+def test_non_finite_voxels(tmp_path: Path) -> None:
+    data = np.ones((4, 5, 6), np.float32)
+    data[0, 0, 0], data[1, 2, 3], data[3, 4, 5] = np.nan, np.inf, -np.inf
+    for name in ("nan.nii.gz", "nan.mha"):
+        path = tmp_path / name
+        if name.endswith(".mha"):
+            sitk.WriteImage(sitk.GetImageFromArray(data.transpose(2, 1, 0)), str(path))
+        else:
+            _write_nifti(path, data)
+        with pytest.raises(ImageValueError, match=r"3 non-finite voxels \(1 NaN, 2 Inf\)") as err:
+            read_image(path)
+        assert_one_line_naming(err, path)
+        kept = read_image(path, check_finite=False).data.numpy()  # NaN stays NaN (ITK's NIfTI reader gives 0)
+        assert np.isnan(kept).sum() == 1 and np.isinf(kept).sum() == 2
+        assert "1 NaN, 2 Inf" in describe_image(read_image(path, check_finite=False))["range"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Failed writes leave nothing behind
+
+
+def test_write_to_missing_folder_or_unknown_extension(tmp_path: Path) -> None:
+    image = _random_image(3, torch.float32, oblique=False)
+    with pytest.raises(ImageWriteError, match="does not exist") as err:
+        write_image(image, tmp_path / "no" / "such" / "out.nii.gz")
+    assert_one_line_naming(err, tmp_path / "out.nii.gz")
+    with pytest.raises(ImageWriteError, match="unknown image extension") as err:
+        write_image(image, tmp_path / "out.tiff")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("name", ["out.nii.gz", "out.mhd", "out.nhdr", "out.mha"])
+def test_writer_failing_midway_leaves_no_partial_file(tmp_path: Path, monkeypatch, name: str) -> None:
+    image = _random_image(3, torch.float32, oblique=True)
+    write_image(image, tmp_path / name)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def failing_write(itk_image, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"partial header")
+        Path(filename).with_name(Path(filename).name.split(".")[0] + ".zraw").write_bytes(b"partial data")
+        raise RuntimeError("Exception thrown in SimpleITK ImageFileWriter_Execute:\nITK ERROR: disk full")
+
+    monkeypatch.setattr(sitk, "WriteImage", failing_write)
+    with pytest.raises(ImageWriteError, match="disk full") as err:
+        write_image(Image(image.data * 2, image.grid), tmp_path / name)
+    assert_one_line_naming(err, tmp_path / name)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # old file intact, no temporaries
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# describe_image
+
+
+def test_describe_image_of_anatomical_nii() -> None:
+    info = describe_image(read_image(nibabel_data("anatomical.nii")))
+    assert info == {
+        "size": "33 x 41 x 25 (x, y, z); tensor [z, y, x]",
+        "spacing": "2 x 2 x 2 mm",
+        "origin": "(-32, 40, -16) mm LPS",
+        "direction": "i (1, 0, 0), j (0, -1, 0), k (0, 0, 1)",
+        "orientation": "LAS (i to Left, j to Anterior, k to Superior)",
+        "dtype": "int16",
+        "range": "-610 .. 30393",
+    }
+    oblique = describe_image(read_image(itk_example("BrainProtonDensitySliceBorder20DirectionPlus30.mhd")))
+    assert oblique["direction"] == "i (0.866025, 0.5), j (-0.5, 0.866025); oblique by up to 30.00 deg"
+    assert oblique["orientation"] == "LP (i to Left, j to Posterior)"
