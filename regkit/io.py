@@ -5,7 +5,7 @@ Conventions (those of ITK, see :mod:`regkit.spatial.grid`):
 * An :class:`Image` is a tensor in ``[z, y, x]`` (3D) or ``[y, x]`` (2D) layout plus a :class:`~regkit.spatial.Grid`:
   ``world = origin + direction @ (spacing * index)`` with index (i, j[, k]) and world points in LPS millimetres.
 * Orientation lives in the header only. Arrays are never flipped or transposed to "fix" orientation; the one layout
-  change made is the transpose of nibabel's ``[i, j, k]`` arrays to ``[k, j, i]`` in :func:`read_image_nibabel`.
+  change made is the transpose of nibabel's ``[i, j, k]`` arrays (NIfTI voxels) to ``[k, j, i]``.
 * Voxel types are kept where torch has them (uint8, int8, int16, int32, int64, float32, float64); uint16 becomes int32,
   uint32 and uint64 become int64 (all values exactly). NIfTI intensity scaling (``scl_slope``/``scl_inter``) is applied
   on read, which gives float32 (float64 for float64 files), as ITK does.
@@ -37,7 +37,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import SimpleITK as sitk
@@ -47,6 +47,7 @@ from regkit.errors import GeometryError, ImageDimensionError, ImageReadError, Im
 from regkit.spatial.grid import Grid
 
 if TYPE_CHECKING:
+    from nibabel.arrayproxy import ArrayProxy
     from nibabel.nifti1 import Nifti1Header
 
 __all__ = [
@@ -297,7 +298,7 @@ def _read_nifti(path: Path) -> tuple[Nifti1Header, np.ndarray]:
                 f"header.set_zooms()"
             )
         img = kind.from_bytes(raw)
-        proxy = img.dataobj
+        proxy = cast("ArrayProxy", img.dataobj)
         voxels = np.asarray(proxy.get_unscaled())
     except (OSError, ValueError, EOFError, nib.filebasedimages.ImageFileError) as err:
         raise ImageReadError(f"cannot read {path}: the file is truncated or corrupt ({_one_line(err)})") from err
@@ -434,9 +435,11 @@ def _itk_nifti_affine(header: Nifti1Header, path: Path) -> np.ndarray:
     # As nifti1_io fills them: an unset sform is all zeros, an unset qform is diag(pixdim); float32 as ITK holds them.
     sform = header.get_sform(coded=False).astype(np.float32) if scode else np.zeros((4, 4), np.float32)
     qform = header.get_qform(coded=False).astype(np.float32) if qcode else np.diag([*zooms, 1.0]).astype(np.float32)
-    use_sform = (
-        np.abs(sform[:3, :3] - qform[:3, :3]).max() <= 1e-5 and np.abs(sform[:, 3] - qform[:, 3]).sum() <= 1e-7
-    ) and np.abs(sform[3] - qform[3]).sum() <= 1e-7
+    use_sform = bool(
+        np.abs(sform[:3, :3] - qform[:3, :3]).max() <= 1e-5
+        and np.abs(sform[:, 3] - qform[:, 3]).sum() <= 1e-7
+        and np.abs(sform[3] - qform[3]).sum() <= 1e-7
+    )
     if scode:
         linear = sform[:3, :3].astype(np.float64)
         norms = np.linalg.norm(linear, axis=0)
@@ -680,5 +683,5 @@ def _value_range(data: torch.Tensor) -> str:
     nan = int(torch.isnan(data).sum())
     inf = data.numel() - int(finite.sum()) - nan
     values = data[finite]
-    text = f"{_num(values.min())} .. {_num(values.max())}" if values.numel() else "no finite values"
+    text = f"{_num(values.min().item())} .. {_num(values.max().item())}" if values.numel() else "no finite values"
     return text + (f" ({nan} NaN, {inf} Inf)" if nan or inf else "")
