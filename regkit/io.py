@@ -93,7 +93,8 @@ class Image:
     """A scalar image with its geometry.
 
     ``data`` is a ``[z, y, x]`` (3D) or ``[y, x]`` (2D) tensor, ``grid`` the geometry (size in (x, y[, z]) order,
-    spacing, origin, direction; LPS millimetres, ITK conventions). ``data.shape`` must equal ``grid.shape``.
+    spacing, origin, direction; LPS millimetres, ITK conventions). ``data.shape`` must equal ``grid.shape``. Images
+    are not compared with ``==``: compare ``data`` (``torch.equal``) and ``grid``.
     """
 
     data: torch.Tensor

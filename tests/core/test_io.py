@@ -356,7 +356,7 @@ def test_reorient_moves_voxels_with_the_header(oblique: bool) -> None:
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32, torch.float64]
 # Largest direction/spacing/origin error of each format for arbitrary float64 geometry (see regkit.io's docstring).
-GEOMETRY_ATOL = {".nii": 2e-5, ".nii.gz": 2e-5, ".mha": 0.0, ".mhd": 0.0, ".nrrd": 1e-15, ".nhdr": 1e-15}
+GEOMETRY_ATOL = {".nii": 1e-6, ".nii.gz": 1e-6, ".mha": 0.0, ".mhd": 0.0, ".nrrd": 1e-15, ".nhdr": 1e-15}
 
 
 def _random_image(ndim: int, dtype: torch.dtype, oblique: bool, seed: int = 0) -> Image:
@@ -721,3 +721,16 @@ def test_describe_image_of_anatomical_nii() -> None:
     oblique = describe_image(read_image(itk_example("BrainProtonDensitySliceBorder20DirectionPlus30.mhd")))
     assert oblique["direction"] == "i (0.866025, 0.5), j (-0.5, 0.866025); oblique by up to 30.00 deg"
     assert oblique["orientation"] == "LP (i to Left, j to Posterior)"
+
+
+def test_data_file_is_moved_into_place_before_its_header(tmp_path: Path, monkeypatch) -> None:
+    moved: list[str] = []
+    real_replace = os.replace
+
+    def recording_replace(src, dst) -> None:
+        moved.append(Path(dst).name)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", recording_replace)
+    write_image(_random_image(3, torch.int16, oblique=False), tmp_path / "scan.mhd")
+    assert moved == ["scan.zraw", "scan.mhd"]  # a reader never finds a header whose data file is missing
