@@ -15,6 +15,7 @@ from regkit.errors import (
     ImageDimensionError,
     ImageReadError,
     ImageValueError,
+    ImageWriteError,
     RegkitError,
 )
 
@@ -29,6 +30,7 @@ __all__ = [
     "ImageDimensionError",
     "ImageReadError",
     "ImageValueError",
+    "ImageWriteError",
     "RegkitError",
     "__version__",
 ]

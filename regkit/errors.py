@@ -9,6 +9,10 @@ class ImageReadError(RegkitError):
     """A file or folder that cannot be read as an image (missing, unknown extension, corrupt, empty DICOM folder)."""
 
 
+class ImageWriteError(RegkitError):
+    """An image that cannot be written (unknown extension, missing folder, voxel type the format cannot store)."""
+
+
 class ImageDimensionError(RegkitError):
     """An image with the wrong number of dimensions (e.g. 4D where 2D/3D is expected)."""
 

@@ -43,7 +43,14 @@ import numpy as np
 import SimpleITK as sitk
 import torch
 
-from regkit.errors import GeometryError, ImageDimensionError, ImageReadError, ImageValueError, RegkitError
+from regkit.errors import (
+    GeometryError,
+    ImageDimensionError,
+    ImageReadError,
+    ImageValueError,
+    ImageWriteError,
+    RegkitError,
+)
 from regkit.spatial.grid import Grid
 
 if TYPE_CHECKING:
@@ -61,10 +68,6 @@ __all__ = [
     "reorient",
     "write_image",
 ]
-
-
-class ImageWriteError(RegkitError):
-    """An image that cannot be written (unknown extension, missing folder, voxel type the format cannot store)."""
 
 
 # Extension -> format name; the longest matching suffix wins (".nii.gz" before ".gz").

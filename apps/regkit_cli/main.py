@@ -12,6 +12,8 @@ from typing import Annotated
 
 import typer
 
+from regkit_cli.bench import app as bench_app
+
 app = typer.Typer(
     name="regkit",
     help="Fast, fold-free registration of 2D images and 3D medical volumes with CPAB transformations.",
@@ -42,7 +44,11 @@ def _root(
 
 
 @app.command()
-def info(image: Annotated[Path, typer.Argument(help="Image file (.nii, .nii.gz, .mha, .mhd, .nrrd) or DICOM folder.")]):
+def info(
+    image: Annotated[
+        Path, typer.Argument(help="Image file (.nii, .nii.gz, .mha, .mhd, .nrrd, .nhdr, .png) or DICOM folder.")
+    ],
+):
     """Print an image's size, spacing, origin, direction, orientation code, dtype and value range."""
     from regkit.io import describe_image, read_image
 
@@ -64,6 +70,9 @@ def check_config(
         typer.echo(dump_config(cfg), nl=False)
     else:
         typer.echo(f"{config}: valid")
+
+
+app.add_typer(bench_app, name="bench")
 
 
 def _error_line(err: BaseException) -> str:
