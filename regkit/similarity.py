@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar, TypeVar
 
 import torch
@@ -93,7 +93,7 @@ def build_similarity(name: str, **params: object) -> Similarity:
     return cls(**params)
 
 
-def _suggest(word: str, choices: Sequence[str] | dict[str, object]) -> str:
+def _suggest(word: str, choices: Iterable[str]) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
 

@@ -18,7 +18,7 @@ _GAUSS_TRUNCATE = 4.0
 
 def per_axis(value: float | Sequence[float], ndim: int, name: str) -> tuple[float, ...]:
     """Expand a scalar or an index-order sequence to one value per spatial axis, in index order (x, y[, z])."""
-    if isinstance(value, numbers.Real):
+    if isinstance(value, (int, float, numbers.Real)):
         return (float(value),) * ndim
     values = tuple(float(v) for v in value)
     if len(values) != ndim:

@@ -41,8 +41,8 @@ def shrink_grid(grid: Grid, shrink: int | Sequence[int]) -> Grid:
     """
     factors = _factors(shrink, grid.ndim)
     sizes, starts = _starts(grid, factors)
-    origin = grid.index_to_world(torch.tensor(starts, dtype=torch.float64)).numpy()
-    spacing = np.asarray(grid.spacing) * np.asarray(factors)
+    origin = grid.index_to_world(torch.tensor(starts, dtype=torch.float64)).tolist()
+    spacing = [s * f for s, f in zip(grid.spacing, factors, strict=True)]
     return Grid.create(sizes, spacing, origin, grid.direction)
 
 
