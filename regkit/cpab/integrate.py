@@ -258,7 +258,7 @@ class CPABIntegrate(torch.autograd.Function):
     ``checkpoint_every`` steps (never the whole trajectory). Backward, for ``lambda_T = dL/dx_T``: each segment is
     recomputed from its checkpoint (bit-identical to the forward, so the same cells ``c_s``), then swept backward:
 
-    * ``M_{c_s} += lambda_{s+1} [x_s; 1]^T``, per batch element (an ``index_add_`` over cells): ``M = dL/dE``;
+    * ``M_{c_s} += lambda_{s+1} [x_s; 1]^T``, per batch element (a ``scatter_add_`` over cells): ``M = dL/dE``;
     * ``lambda_s = E_lin(c_s)^T lambda_{s+1}``; ``dL/dpoints = lambda_0``.
 
     Then, once per call, ``dL/dA`` is ``M`` pulled back through the matrix exponential (``torch.autograd.grad`` of
@@ -297,8 +297,8 @@ class CPABIntegrate(torch.autograd.Function):
         A, E, *checkpoints = ctx.saved_tensors
         tess, steps, K = ctx.tess, ctx.steps, ctx.checkpoint_every
         B, C, n, m = E.shape
-        offset = (C * torch.arange(B, device=E.device)).unsqueeze(1)  # flat (batch, cell) row of the moments
-        moments = E.new_zeros(B * C, n * m) if need_A else None
+        moments = E.new_zeros(B, C, n * m) if need_A else None  # dL/dE, one row per (batch element, cell)
+        outer = E.new_empty((*grad_out.shape, m))  # lambda_{s+1} [x_s; 1]^T, per point
         lam = grad_out.contiguous()
         for seg in reversed(range(len(checkpoints))):
             xs, cells = [checkpoints[seg]], []
@@ -308,15 +308,15 @@ class CPABIntegrate(torch.autograd.Function):
                 cells.append(c)
             for x, c in zip(reversed(xs[:-1]), reversed(cells), strict=True):
                 if moments is not None:
-                    xh = torch.cat([x, x.new_ones((*x.shape[:-1], 1))], dim=-1)
-                    outer = lam.unsqueeze(-1) * xh.unsqueeze(-2)  # (B, N, n, n + 1)
-                    moments.index_add_(0, (c + offset).reshape(-1), outer.reshape(-1, n * m))
+                    torch.mul(lam.unsqueeze(-1), x.unsqueeze(-2), out=outer[..., :n])
+                    outer[..., n] = lam
+                    moments.scatter_add_(1, c.unsqueeze(-1).expand(-1, -1, n * m), outer.view(B, -1, n * m))
                 lam = (_select(E, c)[..., :n].transpose(-1, -2) @ lam.unsqueeze(-1)).squeeze(-1)
         grad_A = None
         if moments is not None:
             with torch.enable_grad():
                 A_ = A.detach().requires_grad_(True)
-                (grad_A,) = torch.autograd.grad(step_matrices(A_, ctx.t / steps), A_, moments.view(B, C, n, m))
+                (grad_A,) = torch.autograd.grad(step_matrices(A_, ctx.t / steps), A_, moments.view(E.shape))
         return (lam if need_points else None), grad_A, None, None, None, None
 
 

@@ -1,0 +1,15 @@
+"""``regkit bench ...``: benchmarks, one command per module (imports of torch and regkit happen inside the commands)."""
+
+from __future__ import annotations
+
+import typer
+
+from regkit_cli.bench.cpab import cpab
+
+app = typer.Typer(
+    help="Benchmarks: time and peak memory of regkit's fast paths beside their baselines.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+app.command("cpab")(cpab)

@@ -1,0 +1,384 @@
+"""``regkit bench cpab``: time and peak memory of CPAB integration and its gradient, factorized adjoint vs baselines.
+
+Three ways to get ``dL/dtheta`` for ``L = sum(w * phi_theta(x))`` (random ``w``), all through the same expm-step
+scheme (``regkit.cpab.integrate``; ``zero`` boundary, float32, checkpoints every 8 steps):
+
+* factorized: ``integrate(..., backend="torch")``, whose backward recomputes segments, accumulates per-cell moments
+  and projects once (``O(T N)`` time, memory flat in ``d``);
+* unrolled autograd: ``integrate_reference``, autograd through every step (memory ``O(T N)``);
+* forward sensitivity: ``forward_sensitivity_gradient``, ``d`` sensitivities per point (``O(d T N)`` time,
+  ``O(d N)`` memory), the gradient of earlier CPAB libraries.
+
+Timing: the best of a few runs, synchronised on CUDA. "gradient" is the backward pass for the adjoint methods and the
+whole sensitivity integration for forward sensitivity (its forward column is the plain no-grad forward). Peak memory,
+above what the inputs already hold: on CUDA ``torch.cuda.max_memory_allocated``; on the CPU the process's peak resident
+set (``VmHWM``, reset through ``/proc/self/clear_refs`` just before the measured run) minus its resident set then,
+measured in a fresh subprocess per configuration so that heap kept from an earlier run cannot hide memory (``--quick``
+measures in-process: rougher). Baselines predicted to exceed the time or memory cap are reported as
+``skipped (cap)``: forward sensitivity's memory is estimated before it runs (``d B N n`` floats plus the step-matrix
+derivatives) and its time extrapolated (linearly in ``d B N T``) from the previous configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    import torch
+
+METHODS = ("factorized", "unrolled", "sensitivity")
+METHOD_TITLES = {"factorized": "factorized", "unrolled": "unrolled autograd", "sensitivity": "forward sensitivity"}
+_CHECKPOINT_EVERY = 8
+_MiB = 2**20
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measurement: a tessellation of ``cells`` per axis, ``batch`` transformations of ``points`` points."""
+
+    ndim: int
+    cells: int
+    batch: int
+    points: int
+    steps: int
+    method: str
+    device: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run of the benchmark measures, and its caps."""
+
+    title: str
+    sizes: dict[int, tuple[int, int, tuple[int, ...]]]  # ndim -> (batch, points, cells per axis of each tessellation)
+    steps: int
+    sweep_cells: int  # 2D tessellation of the N and T sweep (factorized only)
+    sweep: tuple[tuple[int, int], ...]  # (points, steps)
+    time_cap_s: float
+    memory_cap_bytes: int
+    isolate: bool  # one subprocess per measurement (CPU peak memory)
+    budget_s: float  # timing runs per measurement stop after this long (at least one, at most _MAX_RUNS)
+
+
+_MAX_RUNS = 5
+
+
+def _available_memory() -> int:
+    """MemAvailable of this machine in bytes (8 GiB where /proc/meminfo is missing)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+def _plan(device: str, quick: bool) -> Plan:
+    if quick:
+        return Plan(
+            title="quick (tiny sizes; timings meaningless)",
+            sizes={2: (2, 500, (2, 4)), 3: (2, 500, (2,))},
+            steps=10,
+            sweep_cells=4,
+            sweep=((250, 10), (500, 10), (500, 20)),
+            time_cap_s=30.0,
+            memory_cap_bytes=2**30,
+            isolate=False,
+            budget_s=0.0,
+        )
+    if device == "cuda":
+        import torch
+
+        total = torch.cuda.get_device_properties(0).total_memory
+        return Plan(
+            title="the issue's sizes",
+            sizes={2: (16, 125_000, (4, 8, 16, 32)), 3: (8, 125_000, (2, 4, 8, 16))},
+            steps=50,
+            sweep_cells=8,
+            sweep=((31_250, 50), (62_500, 50), (125_000, 50), (125_000, 25), (125_000, 100)),
+            time_cap_s=30.0,
+            memory_cap_bytes=int(0.6 * total),
+            isolate=False,
+            budget_s=2.0,
+        )
+    return Plan(
+        title="CPU: fewer points and a smaller batch than the issue's 125,000 points x 16 (2D) / x 8 (3D)",
+        sizes={2: (4, 20_000, (4, 8, 16, 32)), 3: (2, 20_000, (2, 4, 8, 16))},
+        steps=50,
+        sweep_cells=8,
+        sweep=((5_000, 50), (10_000, 50), (20_000, 50), (20_000, 25), (20_000, 100)),
+        time_cap_s=60.0,
+        memory_cap_bytes=int(0.5 * _available_memory()),
+        isolate=True,
+        budget_s=4.0,
+    )
+
+
+# ---- one measurement ----------------------------------------------------------------------------------------------
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def _measure(case: Case, budget_s: float) -> dict[str, Any]:
+    """Run one case: ``{"d", "forward_s", "gradient_s", "peak_bytes"}`` (peak ``None`` where it cannot be read)."""
+    import torch
+
+    from regkit.cpab.basis import cpa_basis
+    from regkit.cpab.integrate import forward_sensitivity_gradient, integrate
+    from regkit.cpab.tessellation import Tessellation
+
+    device = torch.device(case.device)
+    cuda = device.type == "cuda"
+    gen = torch.Generator().manual_seed(0)
+    tess = Tessellation((case.cells,) * case.ndim)
+    basis = cpa_basis(tess, "zero")
+    theta = torch.randn(case.batch, basis.d, generator=gen).to(device)
+    points = torch.rand(case.points, case.ndim, generator=gen).to(device)
+    weights = torch.randn(case.batch, case.points, case.ndim, generator=gen).to(device)
+    backend = "reference" if case.method == "unrolled" else "torch"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def run(points: torch.Tensor, weights: torch.Tensor) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        if case.method == "sensitivity":
+            with torch.no_grad():
+                integrate(points, basis.to_A(theta), tess, steps=case.steps)
+            sync()
+            t1 = time.perf_counter()
+            forward_sensitivity_gradient(points, theta, basis, weights, steps=case.steps)
+        else:
+            th = theta.clone().requires_grad_(True)
+            out = integrate(
+                points, basis.to_A(th), tess, steps=case.steps, backend=backend, checkpoint_every=_CHECKPOINT_EVERY
+            )
+            sync()
+            t1 = time.perf_counter()
+            (out * weights).sum().backward()
+        sync()
+        return t1 - t0, time.perf_counter() - t1
+
+    run(points[:64], weights[:, :64])  # warm-up: lazy imports and initialisation, basis factors on the device
+    peak: int | None = None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        timings = [run(points, weights)]
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        try:
+            base = _rss_bytes("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current resident set
+            timings = [run(points, weights)]
+            peak = _rss_bytes("VmHWM") - base
+        except OSError:
+            timings = [run(points, weights)]
+    start = time.perf_counter()
+    while len(timings) < _MAX_RUNS and time.perf_counter() - start < budget_s:
+        timings.append(run(points, weights))
+    return {
+        "d": basis.d,
+        "forward_s": min(t[0] for t in timings),
+        "gradient_s": min(t[1] for t in timings),
+        "peak_bytes": peak,
+    }
+
+
+def _worker() -> None:
+    """Subprocess entry: measure the case given as JSON in argv[1], print the result as one JSON line."""
+    spec = json.loads(sys.argv[1])
+    result = _measure(Case(**spec["case"]), spec["budget_s"])
+    print(json.dumps(result))
+
+
+def _run_case(case: Case, plan: Plan) -> dict[str, Any]:
+    if not plan.isolate:
+        return _measure(case, plan.budget_s)
+    code = "from regkit_cli.bench.cpab import _worker; _worker()"
+    spec = json.dumps({"case": asdict(case), "budget_s": plan.budget_s})
+    timeout = 60.0 + (_MAX_RUNS + 1) * plan.time_cap_s
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, spec], capture_output=True, text=True, timeout=timeout, env=os.environ.copy()
+        )
+    except subprocess.TimeoutExpired:
+        return {"skipped": "skipped (cap)"}
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        return {"skipped": f"failed: {last[:60]}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- caps ----------------------------------------------------------------------------------------------------------
+
+
+def _dimension(ndim: int, cells: int) -> int:
+    """``d`` of the ``zero``-boundary basis (regkit.cpab.basis): 2D ``2 [(N - 1)^2 + N^2]``, 3D ``3 (N - 1)^3``."""
+    return 2 * ((cells - 1) ** 2 + cells**2) if ndim == 2 else 3 * (cells - 1) ** 3
+
+
+def _memory_estimate(case: Case) -> int:
+    """Bytes a baseline needs (float32), from its buffers; 0 for the factorized path."""
+    n, B, N, T = case.ndim, case.batch, case.points, case.steps
+    n_cells = (4 if n == 2 else 5) * case.cells**n
+    if case.method == "sensitivity":
+        d = _dimension(n, case.cells)
+        return 4 * d * B * (N * n + n_cells * n * (n + 1))
+    if case.method == "unrolled":  # per step: the gathered step matrices, the points, the cell ids (int64)
+        return T * B * N * (4 * (n * (n + 1) + 2 * n) + 8)
+    return 0
+
+
+class _Caps:
+    """Skips a baseline whose predicted memory or time (from the previous case of its kind) exceeds the caps."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.rate: dict[tuple[str, int], float] = {}  # (method, ndim) -> gradient seconds per unit of work
+
+    @staticmethod
+    def _work(case: Case) -> float:
+        scale = _dimension(case.ndim, case.cells) if case.method == "sensitivity" else 1
+        return float(scale * case.batch * case.points * case.steps)
+
+    def skip(self, case: Case) -> bool:
+        if case.method == "factorized":
+            return False
+        if _memory_estimate(case) > self.plan.memory_cap_bytes:
+            return True
+        rate = self.rate.get((case.method, case.ndim))
+        return rate is not None and rate * self._work(case) > self.plan.time_cap_s
+
+    def record(self, case: Case, result: dict[str, Any]) -> None:
+        if "gradient_s" in result:
+            self.rate[(case.method, case.ndim)] = result["gradient_s"] / self._work(case)
+
+
+# ---- tables ----------------------------------------------------------------------------------------------------------
+
+
+def _ms(seconds: float) -> str:
+    ms = 1000 * seconds
+    return f"{ms:.3g}" if ms < 1000 else f"{ms:,.0f}"
+
+
+def _mib(peak: int | None) -> str:
+    return "n/a" if peak is None else f"{peak / _MiB:,.1f}"
+
+
+def _cells(result: dict[str, Any]) -> list[str]:
+    if "skipped" in result:
+        return [result["skipped"], "", ""]
+    return [_ms(result["forward_s"]), _ms(result["gradient_s"]), _mib(result["peak_bytes"])]
+
+
+def _render(title: str, header: list[str], rows: list[list[str]]) -> tuple[Any, str]:
+    """A rich table and the same table as markdown."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for name in header:
+        table.add_column(name, justify="left" if name in ("tessellation", "method") else "right")
+    for row in rows:
+        table.add_row(*row)
+    lines = [f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return table, "\n".join(lines) + "\n"
+
+
+def _device_name(device: str) -> str:
+    import platform
+
+    import torch
+
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    return f"CPU {cpu} ({torch.get_num_threads()} threads), torch {torch.__version__}"
+
+
+def cpab(
+    device: Annotated[Device, typer.Option("--device", help="Where to run: cpu or cuda.")] = Device.cpu,
+    quick: Annotated[bool, typer.Option("--quick", help="Tiny sizes, in-process: a smoke test in seconds.")] = False,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Also write the tables as markdown to this file.")
+    ] = None,
+) -> None:
+    """Time forward and gradient passes and peak memory of CPAB integration: the factorized adjoint beside
+    unrolled autograd and forward sensitivities, over 2D and 3D tessellations, plus a sweep over points and steps."""
+    import torch
+    from rich.console import Console
+
+    if device is Device.cuda and not torch.cuda.is_available():
+        raise typer.BadParameter("CUDA is not available here", param_hint="--device")
+    plan = _plan(device.value, quick)
+    console = Console()
+    caps = _Caps(plan)
+    if device is Device.cuda:
+        memory = "torch.cuda.max_memory_allocated"
+    elif plan.isolate:
+        memory = "peak resident set, a fresh subprocess per case"
+    else:
+        memory = "peak resident set, in-process: rough"
+    settings = (
+        f"{_device_name(device.value)}; float32, zero boundary, T = {plan.steps} steps (sweep aside), checkpoints "
+        f"every {_CHECKPOINT_EVERY} steps; sizes: {plan.title}. Times in ms, the best of up to {_MAX_RUNS} runs; peak "
+        f"memory in MiB above the inputs ({memory}); gradient = the backward pass, or for forward sensitivity the "
+        "whole sensitivity integration; skipped (cap) = predicted over the time or memory cap."
+    )
+    console.print(settings)
+    markdown = [f"### `regkit bench cpab --device {device.value}{' --quick' if quick else ''}`", "", settings, ""]
+
+    header = ["tessellation", "d", "method", "forward ms", "gradient ms", "peak MiB"]
+    for ndim, (batch, points, cell_counts) in plan.sizes.items():
+        rows = []
+        for cells in cell_counts:
+            name = "x".join([str(cells)] * ndim)
+            for method in METHODS:
+                case = Case(ndim, cells, batch, points, plan.steps, method, device.value)
+                result = {"skipped": "skipped (cap)"} if caps.skip(case) else _run_case(case, plan)
+                caps.record(case, result)
+                rows.append([name, f"{_dimension(ndim, cells):,}", METHOD_TITLES[method], *_cells(result)])
+                console.print("  " + "  ".join(rows[-1]).rstrip(), style="dim")
+        table, md = _render(f"{ndim}D, batch {batch}, {points:,} points, T = {plan.steps}", header, rows)
+        console.print(table)
+        markdown += [md]
+
+    batch, _, _ = plan.sizes[2]
+    rows = []
+    for points, steps in plan.sweep:
+        case = Case(2, plan.sweep_cells, batch, points, steps, "factorized", device.value)
+        rows.append([f"{points:,}", str(steps), *_cells(_run_case(case, plan))])
+    title = f"factorized, 2D {plan.sweep_cells}x{plan.sweep_cells}, batch {batch}: time grows with N and T"
+    table, md = _render(title, ["N", "T", "forward ms", "gradient ms", "peak MiB"], rows)
+    console.print(table)
+    markdown += [md]
+    if output is not None:
+        output.write_text("\n".join(markdown))
+        console.print(f"wrote {output}")

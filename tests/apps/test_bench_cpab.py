@@ -1,0 +1,28 @@
+"""``regkit bench cpab --quick``: runs in seconds and prints (and writes) the tables."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from regkit_cli.main import app
+
+
+def test_bench_cpab_quick_prints_and_writes_tables(tmp_path: Path) -> None:
+    out = tmp_path / "bench.md"
+    result = CliRunner().invoke(app, ["bench", "cpab", "--quick", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    for text in ("2D, batch 2", "3D, batch 2", "factorized", "unrolled autograd", "forward sensitivity", "gradient ms"):
+        assert text in result.output
+    markdown = out.read_text()
+    assert "| tessellation | d | method | forward ms | gradient ms | peak MiB |" in markdown
+    assert markdown.count("| 2x2 | 10 |") == 3
+    assert "time grows with N and T" in markdown
+
+
+def test_bench_help_does_not_import_torch() -> None:
+    code = "import sys; from regkit_cli.main import app; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

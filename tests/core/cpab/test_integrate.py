@@ -1,0 +1,343 @@
+"""regkit.cpab.integrate: the expm-step scheme, its factorized adjoint and the baselines, on real tessellations.
+
+The factorized gradient differentiates the discrete scheme with the visited cells fixed, so it must equal unrolled
+autograd through ``integrate_reference`` to rounding (also on facets and outside the box), and pass ``gradcheck``
+wherever finite differences do not move a step into another cell (points kept away from facets below).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pytest
+import torch
+from scipy.integrate import solve_ivp
+
+from regkit._backend import BackendError
+from regkit.cpab.basis import CPABasis, cpa_basis
+from regkit.cpab.integrate import (
+    forward_sensitivity_gradient,
+    integrate,
+    integrate_accurate,
+    integrate_chain,
+    integrate_reference,
+    integrate_trajectory,
+    jacobian,
+    log_jacobian_determinant,
+    step_matrices,
+)
+from regkit.cpab.tessellation import Tessellation
+
+F64 = torch.float64
+SHAPES = [(3, 2), (2, 2, 2)]
+BOUNDARIES = ["zero", "normal", "free"]
+
+
+@cache
+def _basis(shape: tuple[int, ...], boundary: str = "zero", volume_preserving: bool = False) -> CPABasis:
+    return cpa_basis(Tessellation(shape), boundary, volume_preserving)
+
+
+def _theta(basis: CPABasis, *batch: int, scale: float = 0.5, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return scale * torch.randn(*batch, basis.d, generator=gen, dtype=F64)
+
+
+def _random_points(tess: Tessellation, count: int, seed: int = 1, spread: float = 0.9) -> torch.Tensor:
+    """Uniform points in the box shrunk by ``spread`` about its centre (``spread > 1``: partly outside)."""
+    gen = torch.Generator().manual_seed(seed)
+    lower, upper = torch.tensor(tess.lower, dtype=F64), torch.tensor(tess.upper, dtype=F64)
+    u = 0.5 + spread * (torch.rand(count, tess.ndim, generator=gen, dtype=F64) - 0.5)
+    return lower + (upper - lower) * u
+
+
+def _away_from_facets(tess: Tessellation, A: torch.Tensor, points: torch.Tensor, steps: int) -> torch.Tensor:
+    """The points whose every step (for every batch element of ``A``) starts at least 1e-3 (barycentric) inside its
+    cell: finite differences of gradcheck then keep the same cells."""
+    n = tess.ndim
+    corners = tess.cell_vertices()  # (C, n + 1, n)
+    inverse = torch.linalg.inv(torch.cat([corners, torch.ones(*corners.shape[:-1], 1, dtype=F64)], -1).mT)
+    traj = integrate_trajectory(points, A, tess, steps=steps)[:-1]  # (T, B?, N, n)
+    bary = inverse[tess.locate(traj)] @ torch.cat([traj, torch.ones_like(traj[..., :1])], -1).unsqueeze(-1)
+    inside = (bary.squeeze(-1).amin(-1) > 1e-3).reshape(-1, points.shape[0]).all(0)
+    assert n == points.shape[-1]
+    return points[inside]
+
+
+def _special_points(tess: Tessellation) -> torch.Tensor:
+    """Mesh vertices, facet midpoints, cell centres and points outside the box (below, above, diagonal)."""
+    verts = tess.vertices()
+    _, facet_ids = tess.facets()
+    midpoints = verts[facet_ids].mean(1)
+    lower, upper = torch.tensor(tess.lower, dtype=F64), torch.tensor(tess.upper, dtype=F64)
+    outside = torch.stack([lower - 0.3, upper + 0.2, 0.5 * (lower + upper) + torch.linspace(-0.8, 0.9, tess.ndim)])
+    return torch.cat([verts, midpoints, tess.centers(), outside])
+
+
+# ---- forward ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_factorized_forward_equals_reference_exactly(shape: tuple[int, ...]) -> None:
+    basis = _basis(shape)
+    A = basis.to_A(_theta(basis, 2))
+    points = torch.cat([_random_points(basis.tess, 30, spread=1.3), _special_points(basis.tess)])
+    reference = integrate_reference(points, A, basis.tess, steps=11)
+    assert reference.shape == (2, points.shape[0], len(shape))
+    for every in (1, 3, 8, 11, 40):
+        assert torch.equal(integrate(points, A, basis.tess, steps=11, checkpoint_every=every), reference)
+    trajectory = integrate_trajectory(points, A, basis.tess, steps=11)
+    assert trajectory.shape == (12, *reference.shape)
+    assert torch.equal(trajectory[-1], reference)
+    assert torch.equal(trajectory[0], points.expand_as(reference))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_batch_shapes(shape: tuple[int, ...]) -> None:
+    """Unbatched inputs give unbatched results; a batch of A or of points broadcasts against the other."""
+    basis = _basis(shape)
+    theta = _theta(basis, 3)
+    A = basis.to_A(theta)
+    points = _random_points(basis.tess, 7)
+    batched = integrate(points, A, basis.tess, steps=5)
+    for b in range(3):
+        single = integrate(points, A[b], basis.tess, steps=5)
+        assert single.shape == points.shape
+        torch.testing.assert_close(single, batched[b], rtol=0, atol=1e-15)
+    per_batch = integrate(points.expand(3, -1, -1), A, basis.tess, steps=5)
+    torch.testing.assert_close(per_batch, batched, rtol=0, atol=0)
+    shared_A = integrate(points.expand(2, -1, -1), A[0], basis.tess, steps=5)
+    torch.testing.assert_close(shared_A, batched[:1].expand(2, -1, -1), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_zero_theta_is_the_identity(shape: tuple[int, ...]) -> None:
+    basis = _basis(shape, "free")
+    points = torch.cat([_random_points(basis.tess, 20, spread=1.4), _special_points(basis.tess)])
+    A = basis.to_A(torch.zeros(basis.d, dtype=F64))
+    assert torch.equal(integrate(points, A, basis.tess), points)
+    assert torch.equal(integrate_reference(points, A, basis.tess), points)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_time_zero_is_the_identity_and_time_one_the_default(shape: tuple[int, ...]) -> None:
+    basis = _basis(shape)
+    theta = _theta(basis)
+    A = basis.to_A(theta)
+    points = _random_points(basis.tess, 25)
+    assert torch.equal(integrate(points, A, basis.tess, t=0.0), points)
+    assert torch.equal(integrate(points, A, basis.tess, t=1.0), integrate(points, A, basis.tess))
+    # phi(x, t) moves continuously with t: between neighbouring times no point moves much more than max|v| dt
+    times = torch.linspace(0, 1, 41).tolist()
+    path = torch.stack([integrate(points, A, basis.tess, t=t) for t in times])
+    speed = basis.velocity(theta, path).norm(dim=-1).amax()
+    jumps = (path[1:] - path[:-1]).norm(dim=-1)
+    assert jumps.amax() <= 1.1 * speed * (times[1] - times[0])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_solve_ivp_and_converges_with_steps(shape: tuple[int, ...]) -> None:
+    """The expm scheme's error (only from facet-crossing steps) shrinks with T; the accurate variant is ~exact."""
+    basis = _basis(shape)
+    theta = _theta(basis, scale=2.0)  # large enough that several points cross facets
+    A = basis.to_A(theta)
+    points = _random_points(basis.tess, 12, seed=4, spread=0.8)
+
+    def rhs(_: float, y: np.ndarray) -> np.ndarray:
+        return basis.velocity(theta, torch.from_numpy(y)).numpy()
+
+    exact = torch.from_numpy(
+        np.stack(
+            [solve_ivp(rhs, (0.0, 1.0), p.numpy(), method="DOP853", rtol=1e-12, atol=1e-12).y[:, -1] for p in points]
+        )
+    )
+    errors = [(integrate(points, A, basis.tess, steps=T) - exact).abs().max().item() for T in (10, 40, 160)]
+    assert errors[0] > errors[1] > errors[2]
+    assert errors[2] < errors[0] / 30
+    accurate = integrate_accurate(points, A, basis.tess, steps=5)
+    torch.testing.assert_close(accurate, exact, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_inverse_round_trip_error_shrinks_with_steps(shape: tuple[int, ...]) -> None:
+    basis = _basis(shape)
+    A = basis.to_A(_theta(basis, scale=0.8))
+    points = _random_points(basis.tess, 40)
+    errors = []
+    for T in (5, 20, 80, 320):
+        there = integrate(points, A, basis.tess, steps=T)
+        back = integrate_chain(there, [A], basis.tess, steps=T, inverse=True)
+        errors.append((back - points).abs().max().item())
+    assert errors == sorted(errors, reverse=True) and errors[-1] < errors[0] / 30
+    assert errors[-1] > 0  # the discrete scheme is only approximately inverted
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_chain_applies_stages_in_order_and_inverts(shape: tuple[int, ...]) -> None:
+    fine = _basis(tuple(2 * s for s in shape))
+    coarse = _basis(shape)
+    A1, A2 = coarse.to_A(_theta(coarse, seed=1)), fine.to_A(_theta(fine, seed=2))
+    points = _random_points(coarse.tess, 15)
+    chained = integrate_chain(points, [A1, A2], [coarse.tess, fine.tess], steps=30)
+    expected = integrate(integrate(points, A1, coarse.tess, steps=30), A2, fine.tess, steps=30)
+    assert torch.equal(chained, expected)
+    back = integrate_chain(chained, [A1, A2], [coarse.tess, fine.tess], steps=30, inverse=True)
+    torch.testing.assert_close(back, points, rtol=0, atol=1e-3)
+    with pytest.raises(ValueError, match="tessellations"):
+        integrate_chain(points, [A1, A2], [coarse.tess])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_jacobian_is_analytic_and_positive(shape: tuple[int, ...]) -> None:
+    basis = _basis(shape, "free")
+    A = basis.to_A(_theta(basis, 2, scale=3.0))  # large velocities: many crossings, strong compression
+    points = torch.cat([_random_points(basis.tess, 200, spread=1.2), _special_points(basis.tess)])
+    logdet = log_jacobian_determinant(points, A, basis.tess, steps=20)
+    J = jacobian(points, A, basis.tess, steps=20)
+    assert J.shape == (2, points.shape[0], len(shape), len(shape))
+    assert (torch.linalg.det(J) > 0).all()
+    torch.testing.assert_close(torch.linalg.det(J).log(), logdet, rtol=0, atol=1e-10)
+    autograd = torch.func.vmap(torch.func.jacrev(lambda p: integrate_reference(p, A[0], basis.tess, steps=20)))(
+        points.unsqueeze(1)
+    )
+    torch.testing.assert_close(J[0], autograd[:, 0, :, 0], rtol=0, atol=1e-11)
+
+
+# ---- gradients -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("boundary", BOUNDARIES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gradcheck_factorized(shape: tuple[int, ...], boundary: str) -> None:
+    basis = _basis(shape, boundary)
+    theta = _theta(basis, 2, scale=0.4)
+    points = _away_from_facets(basis.tess, basis.to_A(theta), _random_points(basis.tess, 60, seed=3), steps=5)[:4]
+    assert points.shape[0] == 4
+
+    def run(p: torch.Tensor, th: torch.Tensor) -> torch.Tensor:
+        return integrate(p, basis.to_A(th), basis.tess, steps=5, checkpoint_every=2, backend="torch")
+
+    inputs = (points.requires_grad_(True), theta.requires_grad_(True))
+    assert torch.autograd.gradcheck(run, inputs, fast_mode=len(shape) == 3)  # fast mode: a random projection of J
+
+
+def test_gradcheck_volume_preserving() -> None:
+    basis = _basis((3, 3), "zero", True)
+    theta = _theta(basis, scale=2.0)
+    points = _away_from_facets(basis.tess, basis.to_A(theta), _random_points(basis.tess, 60, seed=5), steps=5)[:4]
+
+    def run(p: torch.Tensor, th: torch.Tensor) -> torch.Tensor:
+        return integrate(p, basis.to_A(th), basis.tess, steps=5, backend="torch")
+
+    assert torch.autograd.gradcheck(run, (points.requires_grad_(True), theta.requires_grad_(True)))
+    logdet = log_jacobian_determinant(points.detach(), basis.to_A(theta.detach()), basis.tess, steps=5)
+    torch.testing.assert_close(logdet, torch.zeros_like(logdet), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("boundary", BOUNDARIES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_factorized_gradient_equals_unrolled_autograd(shape: tuple[int, ...], boundary: str) -> None:
+    """Also on facets, at vertices and outside the box, for batched theta with shared points."""
+    basis = _basis(shape, boundary)
+    theta = _theta(basis, 2, scale=1.5, seed=7).requires_grad_(True)
+    points = torch.cat([_random_points(basis.tess, 50, spread=1.5), _special_points(basis.tess)]).requires_grad_(True)
+    weights = torch.randn(2, points.shape[0], len(shape), dtype=F64, generator=torch.Generator().manual_seed(8))
+    grads = {}
+    for backend in ("reference", "torch"):
+        out = integrate(points, basis.to_A(theta), basis.tess, steps=17, backend=backend, checkpoint_every=5)
+        grads[backend] = torch.autograd.grad((out * weights).sum(), (points, theta))
+    for fast, ref in zip(grads["torch"], grads["reference"], strict=True):
+        torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_checkpoint_interval_does_not_change_gradients(shape: tuple[int, ...]) -> None:
+    basis = _basis(shape)
+    A = basis.to_A(_theta(basis, 2)).requires_grad_(True)
+    points = _random_points(basis.tess, 30).requires_grad_(True)
+    weights = torch.randn(2, 30, len(shape), dtype=F64)
+    grads = [
+        torch.autograd.grad(
+            (integrate(points, A, basis.tess, steps=13, checkpoint_every=k) * weights).sum(), (points, A)
+        )
+        for k in (1, 4, 13, 50)
+    ]
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gradient_wrt_one_input_only(shape: tuple[int, ...]) -> None:
+    basis = _basis(shape)
+    A = basis.to_A(_theta(basis))
+    points = _random_points(basis.tess, 10)
+    assert integrate(points, A, basis.tess).grad_fn is None
+    p = points.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(integrate(p, A, basis.tess).sum(), p)
+    (g_ref,) = torch.autograd.grad(integrate_reference(p, A, basis.tess).sum(), p)
+    torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("boundary", ["zero", "free"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_sensitivity_equals_factorized(shape: tuple[int, ...], boundary: str) -> None:
+    basis = _basis(shape, boundary)
+    points = _random_points(basis.tess, 25, spread=1.2)
+    for theta in (_theta(basis, seed=3), _theta(basis, 2, seed=4)):
+        th = theta.clone().requires_grad_(True)
+        out = integrate(points, basis.to_A(th), basis.tess, steps=9)
+        weights = torch.randn_like(out)
+        (factorized,) = torch.autograd.grad((out * weights).sum(), th)
+        sensitivity = forward_sensitivity_gradient(points, theta, basis, weights, steps=9)
+        assert sensitivity.shape == theta.shape
+        torch.testing.assert_close(sensitivity, factorized, rtol=1e-10, atol=1e-10)
+
+
+def test_float32_factorized_gradient_close_to_float64() -> None:
+    basis = _basis((4, 4))
+    theta = _theta(basis, 2)
+    points = _random_points(basis.tess, 500)
+    weights = torch.randn(2, 500, 2, dtype=F64)
+    grads = []
+    for dtype in (torch.float32, F64):
+        th = theta.to(dtype).requires_grad_(True)
+        out = integrate(points.to(dtype), basis.to_A(th), basis.tess)
+        grads.append(torch.autograd.grad((out * weights.to(dtype)).sum(), th)[0].double())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-3 * grads[1].abs().max().item())
+
+
+# ---- arguments -------------------------------------------------------------------------------------------------------
+
+
+def test_step_matrices_are_the_exact_in_cell_flow() -> None:
+    basis = _basis((2, 2))
+    A = basis.to_A(_theta(basis))
+    E = step_matrices(A, 0.3)
+    assert E.shape == A.shape
+    torch.testing.assert_close(step_matrices(A, 0.0), torch.eye(2, 3, dtype=F64).expand_as(A), rtol=0, atol=0)
+    x = _random_points(basis.tess, A.shape[0]).unsqueeze(-1)  # one point per cell
+    ones = torch.ones_like(x[:, :1])
+    inner = step_matrices(A, 0.2) @ torch.cat([x, ones], 1)
+    torch.testing.assert_close(step_matrices(A, 0.1) @ torch.cat([inner, ones], 1), E @ torch.cat([x, ones], 1))
+
+
+def test_argument_errors() -> None:
+    basis = _basis((2, 2))
+    A = basis.to_A(_theta(basis))
+    points = _random_points(basis.tess, 4)
+    with pytest.raises(BackendError, match="unknown backend"):
+        integrate(points, A, basis.tess, backend="cuda-magic")
+    with pytest.raises(ValueError, match="A must have shape"):
+        integrate(points, A[:-1], basis.tess)
+    with pytest.raises(ValueError, match="points must have shape"):
+        integrate(points[:, :1], A, basis.tess)
+    with pytest.raises(ValueError, match="must match"):
+        integrate(points.float(), A, basis.tess)
+    with pytest.raises(ValueError, match="batch sizes"):
+        integrate(points.expand(3, -1, -1), A.expand(2, -1, -1, -1), basis.tess)
+    with pytest.raises(ValueError, match="steps"):
+        integrate(points, A, basis.tess, steps=0)
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        integrate(points, A, basis.tess, checkpoint_every=0)
