@@ -29,7 +29,7 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Callable, Iterable, Sequence
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -43,6 +43,8 @@ _EPS_REL = 1e-9
 _TINY = 1e-12
 # The MI intensity percentiles are estimated from at most this many voxels per image (a regular subsample).
 _QUANTILE_SAMPLES = 1 << 16
+# MI builds its joint histogram over chunks of this many voxels: (images x chunk x bins) dense memberships at a time.
+_HIST_CHUNK = 1 << 18
 
 
 class Similarity(nn.Module):
@@ -172,7 +174,9 @@ class LocalNormalizedCrossCorrelation(Similarity):
             variance); damps flat regions, where ``cc^2`` goes to 0.
 
     Window statistics are weighted by the mask and ignore voxels outside the image; the mean of ``cc^2`` is weighted by
-    the mask. Box sums come from cumulative sums, so the cost does not grow with the window.
+    the mask. Box sums come from cumulative sums, so the cost does not grow with the window. The gradient with respect
+    to the images is computed in closed form from box sums (recomputing the window statistics), so only the two
+    standardised images are kept for the backward pass; a mask that requires a gradient takes the autograd path.
     """
 
     def __init__(self, window: int | Sequence[int] = 9, eps: float = 1e-5) -> None:
@@ -186,18 +190,78 @@ class LocalNormalizedCrossCorrelation(Similarity):
         self.eps = eps
 
     def _loss(self, fixed: torch.Tensor, warped: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        window = [int(k) for k in per_axis(self.window, fixed.dim() - 2, "lncc window")]
+        window = tuple(int(k) for k in per_axis(self.window, fixed.dim() - 2, "lncc window"))
         f = _standardise(fixed, weights)
         g = _standardise(warped, weights)
-        channels = fixed.shape[1]
-        sums = box_sum(torch.cat([f, g, f * f, g * g, f * g], dim=1) * weights, window)
-        count = box_sum(weights, window).clamp_min(_TINY)
-        mf, mg, sff, sgg, sfg = (s / count for s in sums.split(channels, dim=1))
-        var_f = (sff - mf * mf).clamp_min(0.0)
-        var_g = (sgg - mg * mg).clamp_min(0.0)
-        cov = sfg - mf * mg
-        cc2 = cov * cov / ((var_f + self.eps) * (var_g + self.eps))
+        if weights.requires_grad:
+            cc2 = _local_cc2(f, g, weights, window, self.eps)
+        else:
+            cc2 = _LocalCC2.apply(f, g, weights, window, self.eps)
         return 1.0 - _masked_mean(cc2, weights).mean()
+
+
+def _window_stats(
+    f: torch.Tensor, g: torch.Tensor, weights: torch.Tensor, window: tuple[int, ...]
+) -> tuple[torch.Tensor, ...]:
+    """Mask-weighted window statistics of ``f`` and ``g``: voxel weight sum, means, variances, covariance.
+
+    One box sum at a time, so that no more than a few image-sized temporaries exist at once.
+    """
+    count = box_sum(weights, window).clamp_min(_TINY)
+    mf = box_sum(weights * f, window) / count
+    mg = box_sum(weights * g, window) / count
+    var_f = box_sum(weights * f * f, window) / count - mf * mf
+    var_g = box_sum(weights * g * g, window) / count - mg * mg
+    cov = box_sum(weights * f * g, window) / count - mf * mg
+    return count, mf, mg, var_f, var_g, cov
+
+
+def _local_cc2(
+    f: torch.Tensor, g: torch.Tensor, weights: torch.Tensor, window: tuple[int, ...], eps: float
+) -> torch.Tensor:
+    """Squared local NCC map ``cov^2 / ((var_f + eps) (var_g + eps))`` (autograd reference)."""
+    _, _, _, var_f, var_g, cov = _window_stats(f, g, weights, window)
+    return cov * cov / ((var_f.clamp_min(0.0) + eps) * (var_g.clamp_min(0.0) + eps))
+
+
+class _LocalCC2(torch.autograd.Function):
+    """``_local_cc2`` with a closed-form backward for the images (the weights are constants here).
+
+    With ``a = 2 cov / (Vf Vg W) * grad`` and ``b_g = 2 cov^2 / (Vf Vg^2 W) * grad`` per window centre
+    (``V = var + eps``, ``W`` the window's weight sum), the adjoint of the window sums gives
+    ``d/dg = w (f box(a) - box(a mf) - g box(b_g) + box(b_g mg))``, and symmetrically for ``f``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        f: torch.Tensor,
+        g: torch.Tensor,
+        weights: torch.Tensor,
+        window: tuple[int, ...],
+        eps: float,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(f, g, weights)
+        ctx.window, ctx.eps = window, eps
+        return _local_cc2(f, g, weights, window, eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        f, g, weights = ctx.saved_tensors
+        window, eps = ctx.window, ctx.eps
+        count, mf, mg, var_f, var_g, cov = _window_stats(f, g, weights, window)
+        vf, vg = var_f.clamp_min(0.0) + eps, var_g.clamp_min(0.0) + eps
+        a = 2.0 * cov * grad / (vf * vg * count)
+        grad_f = grad_g = None
+        if ctx.needs_input_grad[0]:
+            b_f = a * cov / vf * (var_f >= 0)
+            grad_f = g * box_sum(a, window) - box_sum(a * mg, window)
+            grad_f = weights * (grad_f - f * box_sum(b_f, window) + box_sum(b_f * mf, window))
+        if ctx.needs_input_grad[1]:
+            b_g = a * cov / vg * (var_g >= 0)
+            grad_g = f * box_sum(a, window) - box_sum(a * mf, window)
+            grad_g = weights * (grad_g - g * box_sum(b_g, window) + box_sum(b_g * mg, window))
+        return grad_f, grad_g, None, None, None
 
 
 @register_similarity("mi")
@@ -210,8 +274,9 @@ class MutualInformation(Similarity):
             clipped, which makes the histogram robust to outliers.
 
     Each voxel spreads its (mask-weighted) unit mass over 4 x 4 neighbouring bins with cubic B-spline Parzen windows
-    (as ITK's Mattes MI does), so the histogram, and the loss, are differentiable in both images. The joint histogram
-    is one matrix product of the two images' ``(voxels, bins)`` membership matrices (memory ``2 x voxels x bins``).
+    (as ITK's Mattes MI does), so the histogram, and the loss, are differentiable in both images and the mask. The
+    joint histogram and its adjoint are computed over chunks of voxels, so the memory does not grow with the image
+    beyond a few copies of it.
     """
 
     def __init__(self, bins: int = 32, percentiles: Sequence[float] = (0.5, 99.5)) -> None:
@@ -227,31 +292,84 @@ class MutualInformation(Similarity):
     def _loss(self, fixed: torch.Tensor, warped: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         b, c = fixed.shape[:2]
         w = weights.expand(b, c, *fixed.shape[2:]).reshape(b * c, -1)
-        parzen_f = self._parzen(fixed.reshape(b * c, -1), w)
-        parzen_g = self._parzen(warped.reshape(b * c, -1), w)
-        joint = (parzen_f * w.unsqueeze(-1)).transpose(1, 2) @ parzen_g
+        t_f = self._normalise(fixed.reshape(b * c, -1), w)
+        t_g = self._normalise(warped.reshape(b * c, -1), w)
+        joint = _JointHistogram.apply(t_f, t_g, w, self.bins)
         joint = joint / joint.sum((1, 2), keepdim=True)
         mi = _neg_entropy(joint, (1, 2)) - _neg_entropy(joint.sum(2), (1,)) - _neg_entropy(joint.sum(1), (1,))
         return -mi.mean()
 
-    def _parzen(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Cubic B-spline bin memberships ``(images, voxels, bins)`` of ``x`` ``(images, voxels)``; 4 non-zero each."""
+    def _normalise(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Intensities ``(images, voxels)`` mapped from their masked percentiles to [0, 1], clipped."""
         q = torch.tensor(self.percentiles, dtype=x.dtype, device=x.device) / 100.0
         rows = []
         for k in range(x.shape[0]):
             values = x[k][weights[k] > 0]
             lo, hi = torch.quantile(values[:: max(1, values.numel() // _QUANTILE_SAMPLES)], q)
             rows.append((x[k] - lo) / (hi - lo + _EPS_REL * (hi.abs() + lo.abs()) + _TINY))
-        # Bin coordinate u in [1, bins - 2]: the 4 bins u's B-spline touches stay inside [0, bins - 1].
-        u = 1.0 + torch.stack(rows).clamp(0.0, 1.0) * (self.bins - 3)
-        start = u.detach().floor().clamp(max=self.bins - 3)
-        s = u - start
-        r = 1.0 - s
+        return torch.stack(rows).clamp(0.0, 1.0)
+
+
+def _parzen(t: torch.Tensor, bins: int, derivative: bool) -> torch.Tensor:
+    """Dense cubic B-spline bin memberships ``(images, voxels, bins)`` of ``t`` in [0, 1] (4 non-zero per voxel).
+
+    With ``derivative``, their derivatives with respect to ``t`` instead. The bin coordinate is
+    ``u = 1 + t (bins - 3)`` in [1, bins - 2], so the 4 bins a voxel touches stay inside [0, bins - 1].
+    """
+    u = 1.0 + t * (bins - 3)
+    start = u.floor().clamp(max=bins - 3)
+    s = u - start
+    r = 1.0 - s
+    if derivative:
+        values = [-0.5 * r * r, s * (1.5 * s - 2.0), r * (2.0 - 1.5 * r), 0.5 * s * s]
+        spline = torch.stack(values, -1) * (bins - 3)
+    else:
         spline = torch.stack(
             [r**3 / 6.0, 2.0 / 3.0 - s * s + s**3 / 2.0, 2.0 / 3.0 - r * r + r**3 / 2.0, s**3 / 6.0], -1
         )
-        first = start.long().unsqueeze(-1) - 1 + torch.arange(4, device=x.device)
-        return x.new_zeros(*x.shape, self.bins).scatter(-1, first, spline)
+    first = start.long().unsqueeze(-1) - 1 + torch.arange(4, device=t.device)
+    return t.new_zeros(*t.shape, bins).scatter(-1, first, spline)
+
+
+class _JointHistogram(torch.autograd.Function):
+    """Joint histograms ``H[k] = sum_v w[k, v] P(t_f[k, v]) P(t_g[k, v])^T`` (``P``: B-spline memberships).
+
+    Forward and backward run over chunks of ``_HIST_CHUNK`` voxels, so the dense ``(voxels, bins)`` memberships never
+    exist for the whole image.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, t_f: torch.Tensor, t_g: torch.Tensor, w: torch.Tensor, bins: int) -> torch.Tensor:
+        ctx.save_for_backward(t_f, t_g, w)
+        ctx.bins = bins
+        joint = t_f.new_zeros(t_f.shape[0], bins, bins)
+        for sl in _chunks(t_f.shape[1]):
+            p_f = _parzen(t_f[:, sl], bins, False) * w[:, sl, None]
+            joint += p_f.transpose(1, 2) @ _parzen(t_g[:, sl], bins, False)
+        return joint
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        t_f, t_g, w = ctx.saved_tensors
+        bins = ctx.bins
+        need_f, need_g, need_w = ctx.needs_input_grad[:3]
+        grads: list[list[torch.Tensor]] = [[], [], []]
+        for sl in _chunks(t_f.shape[1]):
+            p_f = _parzen(t_f[:, sl], bins, False)
+            p_g = _parzen(t_g[:, sl], bins, False)
+            g_pg = p_g @ grad.transpose(1, 2)  # (images, voxels, bins of f): sum_b grad[a, b] p_g[v, b]
+            if need_f:
+                grads[0].append(w[:, sl] * (_parzen(t_f[:, sl], bins, True) * g_pg).sum(-1))
+            if need_g:
+                grads[1].append(w[:, sl] * (_parzen(t_g[:, sl], bins, True) * (p_f @ grad)).sum(-1))
+            if need_w:
+                grads[2].append((p_f * g_pg).sum(-1))
+        out = [torch.cat(parts, dim=1) if parts else None for parts in grads]
+        return out[0], out[1], out[2], None
+
+
+def _chunks(n: int) -> list[slice]:
+    return [slice(i, min(i + _HIST_CHUNK, n)) for i in range(0, n, _HIST_CHUNK)]
 
 
 def _neg_entropy(p: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,13 +68,13 @@ def _box_sum(image: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
 
 class _BoxSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, image: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
-        ctx.sizes = sizes  # type: ignore[attr-defined]
+    def forward(ctx: Any, image: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+        ctx.sizes = sizes
         return _box_sum(image, sizes)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _BoxSum.apply(grad, ctx.sizes), None  # type: ignore[attr-defined]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _BoxSum.apply(grad, ctx.sizes), None
 
 
 def gaussian_kernel1d(sigma: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
