@@ -234,16 +234,17 @@ def test_lncc_closed_form_backward_matches_autograd(window):
     f = smooth_image((4, 5, 3), 0).requires_grad_(True)
     g = smooth_image((4, 5, 3), 1).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda a, b: sim(a, b, mask[..., :4, :5, :3]), (f, g))
-    assert torch.autograd.gradgradcheck(lambda a, b: sim(a, b), (f, g))
+    if window == 3:
+        assert torch.autograd.gradgradcheck(lambda a, b: sim(a, b), (f, g))
 
 
 def test_mi_chunked_histogram_and_gradients(monkeypatch):
-    f = smooth_image((9, 10), 0)
-    g = smooth_image((9, 10), 1)
-    mask = 0.2 + 0.8 * torch.rand(1, 1, 9, 10, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    f = smooth_image((6, 7), 0)
+    g = smooth_image((6, 7), 1)
+    mask = 0.2 + 0.8 * torch.rand(1, 1, 6, 7, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     sim = build_similarity("mi", bins=10)
     whole = float(sim(f, g, mask))
-    monkeypatch.setattr("regkit.similarity._HIST_CHUNK", 7)
+    monkeypatch.setattr("regkit.similarity._HIST_CHUNK", 10)
     assert float(sim(f, g, mask)) == pytest.approx(whole, rel=1e-12)
     inputs = (f.requires_grad_(True), g.requires_grad_(True), mask.requires_grad_(True))
     assert torch.autograd.gradcheck(lambda a, b, m: sim(a, b, m), inputs)
