@@ -9,16 +9,13 @@ Every measure is an ``nn.Module`` called as ``loss = sim(fixed, warped, mask=Non
 * the result is a scalar tensor, the mean over batch and channels, differentiable with respect to both images and the
   mask. Constant images give finite values and gradients.
 
-The names are the ones the YAML configuration uses. The loss conventions (all minimised, best value first):
+The names are the ones the YAML configuration uses; every loss is minimised (best value first):
 
-========  =====================================================================================  ==========
-name      loss                                                                                   range
-========  =====================================================================================  ==========
-``mse``   masked mean of ``(fixed - warped)^2``                                                  0 .. inf
-``ncc``   ``1 - NCC``: global normalised cross-correlation (signed; contrast must not be inverted) 0 .. 2
-``lncc``  ``1 - mean(LNCC^2)``: squared local NCC in a box window (ANTs / VoxelMorph convention)  0 .. 1
-``mi``    ``-MI``: mutual information (nats) of a cubic B-spline Parzen joint histogram          -log(bins) .. 0
-========  =====================================================================================  ==========
+* ``mse``: masked mean of ``(fixed - warped)^2``, in [0, inf).
+* ``ncc``: ``1 - NCC`` with NCC the global normalised cross-correlation, in [0, 2]; signed, so the contrast must not
+  be inverted.
+* ``lncc``: ``1 - mean(cc^2)`` with ``cc`` the local NCC in a box window (the ANTs / VoxelMorph convention), in [0, 1].
+* ``mi``: ``-MI``, the mutual information (nats) of a cubic B-spline Parzen joint histogram, in [-log(bins), 0].
 
 New measures (e.g. the learned ``features`` similarity) join the registry with ``@register_similarity("name")``;
 ``build_similarity(name, **params)`` builds one from the configuration.

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from regkit.errors import ImageValueError
+from regkit.errors import ImageDimensionError, ImageValueError
 from regkit.spatial.grid import Grid
 
 if TYPE_CHECKING:
@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 _SKEW_THRESHOLD = 0.1
 
 ArrayLike = torch.Tensor | np.ndarray | list | tuple
+
+
+def _as_numpy(x: ArrayLike) -> np.ndarray:
+    """A float64 numpy copy of an array-like (tensors on any device included)."""
+    return np.asarray(x.detach().cpu() if isinstance(x, torch.Tensor) else x, dtype=np.float64)
 
 
 def grid_centre(grid: Grid) -> np.ndarray:
@@ -59,13 +64,13 @@ class _CentredTransform(nn.Module):
 
     def __init__(self, centre: ArrayLike, radius: float, initial: ArrayLike | None, dtype: torch.dtype) -> None:
         super().__init__()
-        c = torch.as_tensor(np.asarray(centre, dtype=np.float64), dtype=dtype)
+        c = torch.as_tensor(_as_numpy(centre), dtype=dtype)
         n = c.numel()
         if c.dim() != 1 or n not in (2, 3):
             raise ValueError(f"centre must be a 2D or 3D world point, got shape {tuple(c.shape)}")
         if not radius > 0:
             raise ValueError(f"radius must be positive (mm), got {radius}")
-        h0 = torch.eye(n + 1, dtype=dtype) if initial is None else torch.as_tensor(np.asarray(initial), dtype=dtype)
+        h0 = torch.eye(n + 1, dtype=dtype) if initial is None else torch.as_tensor(_as_numpy(initial), dtype=dtype)
         if h0.shape != (n + 1, n + 1):
             raise ValueError(f"initial must be a {n + 1}x{n + 1} homogeneous matrix, got shape {tuple(h0.shape)}")
         self.ndim = n
@@ -215,7 +220,7 @@ def moments_init(
       are used. ``R`` is always a proper rotation (det +1).
     """
     if fixed_grid.ndim != moving_grid.ndim:
-        raise ImageValueError(f"fixed image is {fixed_grid.ndim}D but moving image is {moving_grid.ndim}D")
+        raise ImageDimensionError(f"fixed image is {fixed_grid.ndim}D but moving image is {moving_grid.ndim}D")
     if mode not in ("com", "principal_axes"):
         raise ValueError(f"mode must be 'com' or 'principal_axes', got {mode!r}")
     n = fixed_grid.ndim
@@ -256,11 +261,11 @@ def _principal_rotation(mf: _Moments, mm: _Moments) -> np.ndarray:
 
 
 def _split(matrix: ArrayLike, centre: ArrayLike | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    h = np.asarray(matrix.detach().cpu() if isinstance(matrix, torch.Tensor) else matrix, dtype=np.float64)
+    h = _as_numpy(matrix)
     n = h.shape[0] - 1
     if h.shape != (n + 1, n + 1) or n not in (2, 3):
         raise ValueError(f"expected a 3x3 or 4x4 homogeneous matrix, got shape {h.shape}")
-    c = np.zeros(n) if centre is None else np.asarray(centre, dtype=np.float64).reshape(n)
+    c = np.zeros(n) if centre is None else _as_numpy(centre).reshape(n)
     m = h[:n, :n]
     translation = h[:n, n] - c + m @ c
     return m, translation, c

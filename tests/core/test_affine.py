@@ -7,7 +7,7 @@ import pytest
 import SimpleITK as sitk
 import torch
 
-from regkit.errors import ImageValueError
+from regkit.errors import ImageDimensionError, ImageValueError
 from regkit.spatial.affine import (
     AffineTransform,
     RigidTransform,
@@ -235,7 +235,7 @@ def test_moments_init_errors():
     img = torch.rand(9, 8, dtype=torch.float64)
     with pytest.raises(ImageValueError, match="constant"):
         moments_init(torch.ones(9, 8), g, img, g)
-    with pytest.raises(ImageValueError, match="3D"):
+    with pytest.raises(ImageDimensionError, match="3D"):
         moments_init(img, g, torch.rand(4, 4, 4), Grid.create((4, 4, 4)))
     assert grid_centre(g) == pytest.approx([3.5, 4.0])
 
