@@ -95,12 +95,16 @@ class Grid:
         n = self.ndim
         return world @ m[:n, :n].T + m[:n, n]
 
-    def index_points(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+    def index_points(
+        self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> torch.Tensor:
         """All voxel-centre indices as a tensor of shape ``(*self.shape, ndim)`` in (i, j[, k]) order."""
         axes = [torch.arange(s, dtype=dtype, device=device) for s in self.shape]  # z, y, x
         mesh = torch.meshgrid(*axes, indexing="ij")
         return torch.stack(mesh[::-1], dim=-1)
 
-    def world_points(self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+    def world_points(
+        self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> torch.Tensor:
         """All voxel centres in LPS world coordinates, shape ``(*self.shape, ndim)``."""
         return self.index_to_world(self.index_points(torch.float64, device)).to(dtype)
