@@ -152,15 +152,22 @@ class LnccSimilarity(_Model):
 
 
 class MiSimilarity(_Model):
-    """Mutual information from a Parzen-window joint histogram; for images of different modalities."""
+    """Mutual information from a cubic B-spline Parzen-window joint histogram; for images of different modalities."""
 
     name: Literal["mi"] = Field(default="mi", description="Similarity measure: mutual information.")
     bins: int = Field(default=32, ge=8, le=256, description="Number of histogram bins per image.")
-    sigma_ratio: float = Field(
-        default=1.0,
-        gt=0,
-        description="Standard deviation of the Gaussian Parzen window, as a multiple of the bin width.",
+    percentiles: Seq[float] = Field(
+        default=(0.5, 99.5),
+        description="Each image's intensities are mapped linearly from these two percentiles (low, high) to the "
+        "histogram range and clipped, for robustness to outliers.",
     )
+
+    @field_validator("percentiles")
+    @classmethod
+    def _percentiles(cls, percentiles: tuple[float, ...]) -> tuple[float, ...]:
+        if len(percentiles) != 2 or not 0 <= percentiles[0] < percentiles[1] <= 100:
+            raise _invalid(f"must be two percentiles with 0 <= low < high <= 100 (got {list(percentiles)})")
+        return percentiles
 
 
 class FeaturesSimilarity(_Model):
