@@ -270,6 +270,20 @@ class CPABasis:
         vel = vel.index_copy(-1, flat, nodal * scale)
         return vel.unflatten(-1, (self.tess.n_vertices, n))
 
+    def fit_vertex_velocities(self, velocities: torch.Tensor) -> torch.Tensor:
+        """theta ``(..., d)`` whose field takes the given velocities ``(..., V, n)`` at ``tess.vertices()``.
+
+        The inverse of :meth:`vertex_velocities` on admissible fields: the free components are read off (components
+        the boundary mode fixes are ignored); with volume preservation, the least-squares fit in the nodal
+        coordinates. Used to carry a coarse solution to a finer tessellation: evaluate the coarse field at the fine
+        vertices, then fit (exact when the coarse field is continuous piecewise affine on the fine cells).
+        """
+        flat, scale, _, _, reduction = self._factors(velocities.dtype, velocities.device)
+        nodal = velocities.flatten(-2)[..., flat] / scale
+        if reduction is None:
+            return nodal
+        return torch.linalg.lstsq(reduction, nodal.unsqueeze(-1)).solution.squeeze(-1)
+
     def to_A(self, theta: torch.Tensor) -> torch.Tensor:
         """Per-cell affine maps ``(C, n, n + 1)`` (or ``(B, C, n, n + 1)``) for theta ``(d,)`` (or ``(B, d)``).
 
