@@ -341,3 +341,22 @@ def test_argument_errors() -> None:
         integrate(points, A, basis.tess, steps=0)
     with pytest.raises(ValueError, match="checkpoint_every"):
         integrate(points, A, basis.tess, checkpoint_every=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_cuda_matches_the_cpu(shape: tuple[int, ...]) -> None:
+    basis = _basis(shape, "normal")
+    theta = _theta(basis, 3, scale=1.5)
+    points = _random_points(basis.tess, 200, spread=1.3)  # off facets: rounding may pick other cells on them
+    weights = torch.randn(3, points.shape[0], len(shape), dtype=F64)
+    results = []
+    for device in ("cpu", "cuda"):
+        th = theta.to(device).requires_grad_(True)
+        p = points.to(device).requires_grad_(True)
+        out = integrate(p, basis.to_A(th), basis.tess, steps=23, backend="torch")
+        grads = torch.autograd.grad((out * weights.to(device)).sum(), (p, th))
+        sensitivity = forward_sensitivity_gradient(p.detach(), theta.to(device), basis, weights.to(device), steps=23)
+        results.append([t.cpu() for t in (out, *grads, sensitivity)])
+    for cpu, cuda in zip(*results, strict=True):
+        torch.testing.assert_close(cuda, cpu, rtol=1e-10, atol=1e-10)
