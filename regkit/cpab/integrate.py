@@ -23,7 +23,7 @@ then once through the matrix exponential, then ``B^T`` by autograd of ``CPABasis
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -303,7 +303,7 @@ class CPABIntegrate(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: torch.autograd.function.FunctionCtx,
+        ctx: Any,
         points: torch.Tensor,
         A: torch.Tensor,
         tess: Tessellation,
@@ -324,7 +324,7 @@ class CPABIntegrate(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         need_points, need_A = ctx.needs_input_grad[:2]
         if not (need_points or need_A):
             return None, None, None, None, None, None

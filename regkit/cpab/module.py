@@ -67,7 +67,8 @@ class CPAB(torch.nn.Module):
                 raise ValueError("give lower/upper only with cells per axis, not with a Tessellation")
             tess = tessellation
         else:
-            tess = Tessellation(tuple(int(c) for c in tessellation), lower, upper)
+            bounds = [None if v is None else tuple(float(x) for x in v) for v in (lower, upper)]
+            tess = Tessellation(tuple(int(c) for c in tessellation), *bounds)
         n = tess.ndim
         self.tess = tess
         self.basis = cpa_basis(tess, boundary, volume_preserving)
