@@ -26,8 +26,9 @@ Nodal coordinates are ordered vertex-major: vertex id ascending, then component 
 Volume preservation adds ``C`` trace constraints that vertex values do not satisfy by themselves. The basis is then
 ``B = B_nodal R`` with ``R`` (``d_nodal x d``) an orthonormal basis of the null space of the sparse ``C x d_nodal``
 trace system ``K``, from a dense eigendecomposition of ``K^T K``, its columns rescaled so that ``B``'s columns have
-unit norm. ``R`` and hence ``B`` are dense (not local). Cost ``O(d_nodal^3)`` time, ``O(C d_nodal)`` memory; measured
-on one CPU thread: 2D 16 x 16 0.4 s, 24 x 24 3.7 s, 32 x 32 ~20 s; 3D 8^3 0.5 s. Beyond
+unit norm. ``R`` and hence ``B`` are dense (not local). Cost ``O(d_nodal^3)`` time, ``O(d_nodal (C + d_nodal))``
+memory; measured on one CPU thread: 2D 16 x 16 0.4 s, 24 x 24 3.7 s, 32 x 32 ~20 s (1.7 s on 16 cores); 3D 8^3
+0.5 s. Beyond
 ``_MAX_VOLUME_PRESERVING_NODAL`` free components (2D ~45 x 45, 3D ``zero`` ~14^3) it raises ``ValueError``.
 Continuous piecewise-linear divergence-free fields lock, so ``d`` is far smaller than ``d_nodal`` (computed, and
 tested on the shapes listed):
@@ -353,14 +354,11 @@ def cpa_basis(tess: Tessellation, boundary: str = "zero", volume_preserving: boo
             f"volume preservation needs a dense null space of a {tess.n_cells} x {basis.d_nodal} system; "
             f"tessellation {tess.shape} is too fine (at most {_MAX_VOLUME_PRESERVING_NODAL} free vertex components)"
         )
-    # trace(A_c) = sum_k sum_a vel_k[a] inv(M_c)[k, a]: one row per cell over the nodal coordinates
-    column = np.full(tess.n_vertices * n, -1, dtype=np.int64)
-    column[free_vertex * n + free_axis] = np.arange(len(free_vertex))
-    cells, k, axis = np.meshgrid(np.arange(tess.n_cells), np.arange(n + 1), np.arange(n), indexing="ij")
-    cols = column[tess._cell_vertex_ids[cells, k] * n + axis]
-    keep = cols >= 0
-    vals = inverse[cells, k, axis][keep] * scale[cols[keep]]
-    system = _sparse(cells[keep], cols[keep], vals, (tess.n_cells, len(free_vertex)))
+    # the trace system: row c sums the rows (c, a, a) of B_nodal
+    index, values = basis.nodal_matrix.indices().numpy(), basis.nodal_matrix.values().numpy()
+    cell, entry = np.divmod(index[0], n * (n + 1))
+    on_diagonal = entry % (n + 2) == 0  # entry a (n + 1) + a
+    system = _sparse(cell[on_diagonal], index[1][on_diagonal], values[on_diagonal], (tess.n_cells, basis.d_nodal))
     reduction = _null_space_sparse(system)
     reduction = reduction / torch.sparse.mm(basis.nodal_matrix, reduction).norm(dim=0)
     return CPABasis(

@@ -26,7 +26,8 @@ needs only ``V x V`` vertex matrices: ``G_v = sum_c P_c^T P_c`` and ``S = sum_m 
 kernel, ``P_m[c, v] = inv(M̂_c)[k, m]`` for the vertex ``v`` in slot ``k`` of cell ``c``, ``M̂_c`` with the unit-box
 vertices). ``K`` is never stored: it is built in column chunks of at most ``_CHUNK_ELEMENTS`` entries, so memory is
 ``O(V^2 + C * chunk)``; time ``O(C^2 (n + 1)^2)`` for ``S`` plus ``O(V^3)`` Cholesky factorisations per block.
-Measured on one CPU thread of a busy 2-core machine: 2D 32 x 32 ~2.5 s, 3D 8^3 ~0.5 s, 3D 16^3 ~35 s.
+Measured (zero boundary): 2D 32 x 32 0.5 s, 3D 16^3 8.4 s on 16 CPU cores; on one thread of a busy 2-core
+machine 2D 32 x 32 ~2.5 s, 3D 8^3 ~0.5 s, 3D 16^3 ~35 s.
 
 Use in optimisation: optimise whitened coordinates ``z`` with ``theta = unwhiten(z)``; then
 ``energy(theta) = 1/2 |z|^2`` and the problem is well conditioned. ``whiten`` is the inverse map.
