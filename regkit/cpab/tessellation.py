@@ -233,10 +233,10 @@ class Tessellation:
             raise ValueError(f"points must have shape (..., {self.ndim}), got {tuple(points.shape)}")
         if not points.is_floating_point():
             points = points.to(torch.float64)
-        opts = {"dtype": points.dtype, "device": points.device}
-        lower = torch.tensor(self.lower, **opts)
-        extent = torch.tensor(self.upper, **opts) - lower
-        counts = torch.tensor(self.shape, **opts)
+        dtype, device = points.dtype, points.device
+        lower = torch.tensor(self.lower, dtype=dtype, device=device)
+        extent = torch.tensor(self.upper, dtype=dtype, device=device) - lower
+        counts = torch.tensor(self.shape, dtype=dtype, device=device)
         t = torch.nan_to_num((points - lower) / extent, nan=0.0).clamp(0.0, 1.0) * counts
         box = torch.minimum(t.floor(), counts - 1)  # x == upper belongs to the last box
         local = (t - box).clamp(0.0, 1.0)  # from the same clamped box index: consistent on every box boundary
