@@ -213,7 +213,10 @@ def _measure(case: Case, budget_s: float) -> dict[str, Any]:
 
 def _worker() -> None:
     """Subprocess entry: measure the case given as JSON in argv[1], print the result as one JSON line."""
+    import torch
+
     spec = json.loads(sys.argv[1])
+    torch.set_num_threads(spec["threads"])
     result = _measure(Case(**spec["case"]), spec["budget_s"])
     print(json.dumps(result))
 
@@ -221,8 +224,10 @@ def _worker() -> None:
 def _run_case(case: Case, plan: Plan) -> dict[str, Any]:
     if not plan.isolate:
         return _measure(case, plan.budget_s)
+    import torch
+
     code = "from regkit_cli.bench.cpab import _worker; _worker()"
-    spec = json.dumps({"case": asdict(case), "budget_s": plan.budget_s})
+    spec = json.dumps({"case": asdict(case), "budget_s": plan.budget_s, "threads": torch.get_num_threads()})
     timeout = 60.0 + (_MAX_RUNS + 1) * plan.time_cap_s
     try:
         proc = subprocess.run(
@@ -331,6 +336,10 @@ def cpab(
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Also write the tables as markdown to this file.")
     ] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option("--threads", min=1, help="CPU threads for torch (default: torch's); 1 is steadier on busy CPUs."),
+    ] = None,
 ) -> None:
     """Time forward and gradient passes and peak memory of CPAB integration: the factorized adjoint beside
     unrolled autograd and forward sensitivities, over 2D and 3D tessellations, plus a sweep over points and steps."""
@@ -339,6 +348,8 @@ def cpab(
 
     if device is Device.cuda and not torch.cuda.is_available():
         raise typer.BadParameter("CUDA is not available here", param_hint="--device")
+    if threads is not None:
+        torch.set_num_threads(threads)
     plan = _plan(device.value, quick)
     console = Console()
     caps = _Caps(plan)
