@@ -10,8 +10,9 @@ The scheme ("expm steps"), which every function here computes: ``T = steps`` ste
 ``c = tess.locate(x)`` and ``x <- E_c [x; 1]``, where ``E_c`` is the top ``n`` rows of ``expm(h Ã_c)`` and ``Ã_c`` is
 the ``(n + 1) x (n + 1)`` matrix ``[A_c; 0]``. Inside one cell a step is the exact flow of the cell's field; the only
 error comes from steps whose flow crosses a facet (they keep the starting cell's field). ``E`` is computed once per call
-for all cells. ``E_c = [E_lin | e]`` with ``E_lin = expm(h A_lin)``, so each step has Jacobian ``E_lin(c)`` and
-determinant ``exp(h tr A_lin(c)) > 0``.
+for all cells, in the working dtype. Per point, component ``i`` of a step is evaluated as
+``((E_i0 x_0 + E_i1 x_1) [+ E_i2 x_2]) + e_i``. ``E_c = [E_lin | e]`` with ``E_lin = expm(h A_lin)``, so each step has
+Jacobian ``E_lin(c)`` and determinant ``exp(h tr A_lin(c)) > 0``.
 
 Gradients. Cell ids are piecewise constant in the points and in ``A``; every gradient here differentiates the discrete
 scheme with the visited cells ``c_0 .. c_{T-1}`` held fixed, which is exactly what autograd through

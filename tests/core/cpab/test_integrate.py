@@ -252,6 +252,18 @@ def test_factorized_gradient_equals_unrolled_autograd(shape: tuple[int, ...], bo
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+def test_theta_gradient_is_the_projection_of_the_A_gradient(shape: tuple[int, ...]) -> None:
+    """The factorization's last step: dL/dtheta = B^T vec(dL/dA) (CPABasis.project), as autograd of to_A gives."""
+    basis = _basis(shape, "normal")
+    theta = _theta(basis, 2).requires_grad_(True)
+    A = basis.to_A(theta)
+    points = _random_points(basis.tess, 30)
+    out = integrate(points, A, basis.tess, steps=7)
+    grad_A, grad_theta = torch.autograd.grad((out * out).sum(), (A, theta))
+    torch.testing.assert_close(basis.project(grad_A), grad_theta, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 def test_checkpoint_interval_does_not_change_gradients(shape: tuple[int, ...]) -> None:
     basis = _basis(shape)
     A = basis.to_A(_theta(basis, 2)).requires_grad_(True)
