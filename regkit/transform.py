@@ -1,0 +1,241 @@
+"""The transformation a registration finds: a linear map and a chain of CPAB flows, evaluated in world space.
+
+Direction (pull-back, as ITK and ANTs): the transformation maps a point ``x`` of the FIXED image's world space to the
+point ``y`` of the MOVING image's world space where the moving image is sampled, so ``warped(x) = moving(y)`` and the
+displacement is ``u(x) = y - x``. World points are LPS millimetres, (x, y[, z]) order.
+
+Composition: ``y = M phi_K( ... phi_1(x))``: the CPAB flows ``phi_k`` act in the fixed image's space (their domain is
+the fixed grid's box, ``CPAB.for_grid``), then the homogeneous matrix ``M`` of the linear stages maps to the moving
+space. The inverse is ``x = phi_1^-1( ... phi_K^-1(M^-1 y))`` with ``phi_k^-1`` the flow of ``-theta_k``.
+
+``Transformation.save``/``load`` keep everything needed to re-evaluate it exactly (``transform.json``): the fixed grid,
+``M``, and for each CPAB its tessellation, boundary mode, steps and ``theta``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from regkit.cpab.module import CPAB
+from regkit.errors import RegkitError
+from regkit.spatial.grid import Grid
+from regkit.spatial.sampling import sample_image
+
+FORMAT_VERSION = 1
+
+
+class TransformFileError(RegkitError):
+    """A transform file that cannot be read (missing, not JSON, unknown version, inconsistent contents)."""
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+@dataclass
+class Transformation:
+    """``y = matrix @ phi_K(...phi_1(x))`` from fixed world points ``x`` to moving world points ``y`` (module doc).
+
+    Attributes:
+        fixed_grid: the grid on which dense outputs (displacement, Jacobian) are evaluated; the CPAB domain.
+        matrix: ``(n + 1) x (n + 1)`` float64 homogeneous matrix of the linear stages (identity if none).
+        cpab: the CPAB flows, applied first to last; each has a single (unbatched) ``theta``.
+    """
+
+    fixed_grid: Grid
+    matrix: np.ndarray
+    cpab: list[CPAB] = field(default_factory=list)
+
+    @property
+    def ndim(self) -> int:
+        return self.fixed_grid.ndim
+
+    def _linear(self, points: torch.Tensor, matrix: np.ndarray) -> torch.Tensor:
+        m = torch.as_tensor(matrix, dtype=points.dtype, device=points.device)
+        n = self.ndim
+        return points @ m[:n, :n].T + m[:n, n]
+
+    @torch.no_grad()
+    def transform_world(self, world: torch.Tensor, chunk: int = 2**20) -> torch.Tensor:
+        """Map fixed-space world points ``(..., n)`` to moving-space world points ``(..., n)`` (no gradient)."""
+        flat = world.reshape(-1, self.ndim)
+        out = torch.empty_like(flat)
+        for part in _chunks(flat.shape[0], chunk):
+            y = flat[part]
+            for flow in self.cpab:
+                y = flow.transform_world(y.to(flow.theta.dtype)).to(flat.dtype)
+            out[part] = self._linear(y, self.matrix)
+        return out.reshape(world.shape)
+
+    @torch.no_grad()
+    def inverse_world(self, world: torch.Tensor, chunk: int = 2**20) -> torch.Tensor:
+        """Map moving-space world points ``(..., n)`` back to fixed space: the inverse transformation."""
+        flat = world.reshape(-1, self.ndim)
+        out = torch.empty_like(flat)
+        inverse_flows = [flow.inverse() for flow in reversed(self.cpab)]
+        for part in _chunks(flat.shape[0], chunk):
+            y = self._linear(flat[part], np.linalg.inv(self.matrix))
+            for flow in inverse_flows:
+                y = flow.transform_world(y.to(flow.theta.dtype)).to(flat.dtype)
+            out[part] = y
+        return out.reshape(world.shape)
+
+    def displacement(self, grid: Grid | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+        """Pull-back displacement ``u = y - x`` at ``grid``'s voxel centres (default: the fixed grid).
+
+        Returns ``(*grid.shape, n)`` float32 in world millimetres (LPS components, (x, y[, z]) order):
+        ``x_moving = x_fixed + u(x_fixed)``, the ITK displacement-field convention.
+        """
+        grid = grid or self.fixed_grid
+        world = grid.world_points(torch.float64, device)
+        return (self.transform_world(world) - world).float()
+
+    def inverse_displacement(self, grid: Grid, device: torch.device | str | None = None) -> torch.Tensor:
+        """Displacement of the inverse transformation at ``grid``'s voxel centres (usually the moving grid):
+        ``x_fixed = x_moving + v(x_moving)``, ``(*grid.shape, n)`` float32 world millimetres."""
+        world = grid.world_points(torch.float64, device)
+        return (self.inverse_world(world) - world).float()
+
+    def cpab_displacement(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Displacement of the CPAB part alone, ``phi_K(...phi_1(x)) - x``, on the fixed grid (for ITK composite
+        transform files, where the linear part is stored separately): ``(*fixed_grid.shape, n)`` float32 mm."""
+        only_cpab = Transformation(self.fixed_grid, np.eye(self.ndim + 1), self.cpab)
+        return only_cpab.displacement(device=device)
+
+    @torch.no_grad()
+    def jacobian_determinant(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """``det(dy/dx)`` at the fixed grid's voxel centres, ``fixed_grid.shape`` float32.
+
+        Analytic: ``det(M_lin)`` times the product of the CPAB flows' determinants at the intermediate points
+        (each positive by construction), so it is positive wherever ``det(M_lin) > 0``.
+        """
+        world = self.fixed_grid.world_points(torch.float64, device).reshape(-1, self.ndim)
+        det = torch.full(
+            world.shape[:1], float(np.linalg.det(self.matrix[: self.ndim, : self.ndim])), dtype=world.dtype
+        )
+        det = det.to(world.device)
+        for part in _chunks(world.shape[0], 2**20):
+            y = world[part]
+            for flow in self.cpab:
+                points = flow.world_to_domain(y.to(flow.theta.dtype))
+                det[part] *= flow.jacobian_determinant(points).to(det.dtype)
+                y = flow.domain_to_world(flow.transform_points(points)).to(world.dtype)
+        return det.reshape(self.fixed_grid.shape).float()
+
+    @torch.no_grad()
+    def warp(self, image: torch.Tensor, moving_grid: Grid, mode: str = "linear", padding: float = 0.0) -> torch.Tensor:
+        """Resample ``image`` (on ``moving_grid``, ``[z, y, x]`` layout) onto the fixed grid through the
+        transformation: ``warped(x) = image(y(x))``; ``mode`` ``"linear"`` or ``"nearest"`` (label maps keep their
+        integer dtype). Returns ``fixed_grid.shape``."""
+        world = self.fixed_grid.world_points(torch.float64, image.device)
+        y = self.transform_world(world)
+        values = image if mode == "nearest" or image.is_floating_point() else image.float()
+        return sample_image(values, moving_grid, y.to(torch.float32), mode=mode, padding=padding)
+
+    # ---- files -------------------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        """A JSON-serialisable description that :meth:`from_dict` turns back into an equal transformation."""
+        g = self.fixed_grid
+        return {
+            "format": "regkit-transform",
+            "version": FORMAT_VERSION,
+            "direction": "pull-back: fixed world (LPS mm) -> moving world; y = matrix @ cpab[-1](...cpab[0](x))",
+            "fixed_grid": {
+                "size": list(g.size),
+                "spacing": list(g.spacing),
+                "origin": list(g.origin),
+                "direction": [list(row) for row in g.direction],
+            },
+            "matrix": self.matrix.tolist(),
+            "cpab": [
+                {
+                    "cells": list(flow.tess.shape),
+                    "lower": list(flow.tess.lower),
+                    "upper": list(flow.tess.upper),
+                    "origin": flow.origin.tolist(),
+                    "direction": flow.direction.tolist(),
+                    "boundary": flow.basis.boundary,
+                    "volume_preserving": flow.basis.volume_preserving,
+                    "steps": flow.steps,
+                    "length_scale": flow.length_scale,
+                    "variance": flow.variance,
+                    "dtype": str(flow.theta.dtype).removeprefix("torch."),
+                    "theta": flow.theta.detach().cpu().double().tolist(),
+                }
+                for flow in self.cpab
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "<dict>") -> Transformation:
+        """Rebuild a transformation from :meth:`to_dict`'s output; ``source`` names the file in errors."""
+        try:
+            if data.get("format") != "regkit-transform" or data.get("version") != FORMAT_VERSION:
+                raise TransformFileError(
+                    f"{source}: not a regkit transform file of version {FORMAT_VERSION} "
+                    f"(format={data.get('format')!r}, version={data.get('version')!r})"
+                )
+            g = data["fixed_grid"]
+            grid = Grid.create(g["size"], g["spacing"], g["origin"], g["direction"])
+            flows = []
+            for spec in data["cpab"]:
+                flow = CPAB(
+                    spec["cells"],
+                    lower=spec["lower"],
+                    upper=spec["upper"],
+                    origin=spec["origin"],
+                    direction=spec["direction"],
+                    boundary=spec["boundary"],
+                    volume_preserving=spec["volume_preserving"],
+                    steps=spec["steps"],
+                    length_scale=spec["length_scale"],
+                    variance=spec["variance"],
+                )
+                flow = flow.to(getattr(torch, spec["dtype"]))
+                theta = torch.tensor(spec["theta"], dtype=torch.float64)
+                if theta.shape != flow.theta.shape:
+                    raise TransformFileError(
+                        f"{source}: theta has {theta.numel()} entries but the tessellation needs {flow.basis.d}"
+                    )
+                with torch.no_grad():
+                    flow.theta.copy_(theta)
+                flow.requires_grad_(False)
+                flows.append(flow)
+            matrix = np.asarray(data["matrix"], dtype=np.float64)
+            if matrix.shape != (grid.ndim + 1, grid.ndim + 1):
+                raise TransformFileError(f"{source}: matrix must be {grid.ndim + 1}x{grid.ndim + 1}")
+        except (KeyError, TypeError, ValueError) as err:
+            raise TransformFileError(f"{source}: invalid transform file ({type(err).__name__}: {err})") from err
+        return cls(grid, matrix, flows)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write :meth:`to_dict` as JSON, atomically (temporary file in the same folder, then rename)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(self.to_dict(), indent=1))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Transformation:
+        """Read a transformation written by :meth:`save` (``transform.json``)."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError as err:
+            raise TransformFileError(f"{path}: no such file") from err
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise TransformFileError(f"{path}: not a readable JSON transform file ({err})") from err
+        if not isinstance(data, dict):
+            raise TransformFileError(f"{path}: not a regkit transform file")
+        return cls.from_dict(data, str(path))
