@@ -17,8 +17,9 @@ Stages run in the configured order, each starting where the previous one ended:
   standard deviations whatever the tessellation and the image size.
 
 Each level minimizes ``similarity(fixed, moving o transform) + weight * prior energy / d`` (the prior only for CPAB;
-``d`` = number of CPAB parameters, so that the weight means the same on every tessellation) with Adam or L-BFGS, stopping at the iteration cap or when the relative change of the loss stays below ``tolerance``
-for ``patience`` iterations. Intensities are rescaled to [0, 1] between each image's 0.5th and 99.5th percentiles
+``d`` = number of CPAB parameters, so that the weight means the same on every tessellation) with Adam or L-BFGS,
+stopping at the iteration cap or when the relative change of the loss stays below ``tolerance`` for ``patience``
+iterations. Intensities are rescaled to [0, 1] between each image's 0.5th and 99.5th percentiles
 before registration (the similarity measures see these, not the raw values).
 """
 
