@@ -1,0 +1,367 @@
+"""Building blocks shared by the 2D and 3D WTConv kernels: masked loads, the Haar butterflies and the block-phase
+(polyphase) depthwise convolution on one plane.
+
+Every kernel works on a tile of ``BLOCK_B x BLOCK_Q`` elements: the rows are batch items of one channel (so all of a
+tile's weights are scalars), the columns are flattened positions ``q`` of a coarse grid (a Haar level's grid). A
+plane is addressed through a ``[BLOCK_B, 1]`` (or ``[BLOCK_B, BLOCK_Q]``) tensor of pointers to its first element,
+``ok`` masks the tile's valid elements, and coordinates are ``[BLOCK_Q]`` integer vectors shared by the rows.
+
+The Haar butterflies here are unnormalised (sums and differences); the kernels fold the orthonormal factor
+2**(-ndim/2) into the weights. The 2D butterfly maps the block (a b / c d) to (LL, LH, HL, HH), LH being the high-pass
+along y; its matrix is symmetric, so the same butterfly maps the four sub-band values of a block back to its pixels
+(a, b, c, d) (times 4).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load2d(ptrs, y, x, ok, H, W):
+    """Load ``plane[y, x]`` as float32 for every tile element, with zeros outside the H x W plane and the tile."""
+    inside = (y >= 0) & (y < H) & (x >= 0) & (x < W)
+    return tl.load(ptrs + (y * W + x)[None, :], mask=ok & inside[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _butterfly2d(a, b, c, d):
+    s = a + b
+    t = c + d
+    u = a - b
+    v = c - d
+    return s + t, s - t, u + v, u - v
+
+
+@triton.jit
+def _block2d(ptrs, y, x, ok, H, W):
+    """The pixels (a b / c d) of the 2 x 2 block whose top-left pixel is (y, x), as float32, zero outside the plane."""
+    r0 = y * W + x
+    y0 = (y >= 0) & (y < H)
+    y1 = (y >= -1) & (y < H - 1)
+    x0 = (x >= 0) & (x < W)
+    x1 = (x >= -1) & (x < W - 1)
+    a = tl.load(ptrs + r0[None, :], mask=ok & (y0 & x0)[None, :], other=0.0).to(tl.float32)
+    b = tl.load(ptrs + (r0 + 1)[None, :], mask=ok & (y0 & x1)[None, :], other=0.0).to(tl.float32)
+    c = tl.load(ptrs + (r0 + W)[None, :], mask=ok & (y1 & x0)[None, :], other=0.0).to(tl.float32)
+    d = tl.load(ptrs + (r0 + W + 1)[None, :], mask=ok & (y1 & x1)[None, :], other=0.0).to(tl.float32)
+    return a, b, c, d
+
+
+@triton.jit
+def _haar_block2d(ptrs, y, x, ok, H, W):
+    """Unnormalised Haar sub-bands (LL, LH, HL, HH) of the 2 x 2 block whose top-left pixel is (y, x)."""
+    a, b, c, d = _block2d(ptrs, y, x, ok, H, W)
+    return _butterfly2d(a, b, c, d)
+
+
+@triton.jit
+def _polyphase_conv2d(ptrs, w_ptr, qy, qx, ok, H, W, K: tl.constexpr, DIR: tl.constexpr):
+    """Depthwise K x K correlation of a plane (DIR = 1) or its adjoint (DIR = -1), at the four pixels 2q + s of each
+    block: ``acc_s(q) = sum_t w[t] * plane(2q + s + DIR * (t - K // 2))``, s = (sy, sx) in the order 00, 01, 10, 11.
+
+    Each plane pixel at offset o = s + DIR * u from 2q (o in [-K//2, K//2 + 1]) is loaded once and feeds every s it
+    reaches: (K + 1)**2 loads for 4 K**2 multiply-adds.
+    """
+    P: tl.constexpr = K // 2
+    acc00 = tl.zeros(ok.shape, tl.float32)
+    acc01 = tl.zeros(ok.shape, tl.float32)
+    acc10 = tl.zeros(ok.shape, tl.float32)
+    acc11 = tl.zeros(ok.shape, tl.float32)
+    for iy in range(K + 1):
+        oy = iy - P
+        ty0 = DIR * oy + P  # tap row used by sub-row sy = 0 (run-time, so invalid rows load a zero weight)
+        ty1 = DIR * (oy - 1) + P  # ... by sy = 1
+        in0 = (ty0 >= 0) & (ty0 < K)
+        in1 = (ty1 >= 0) & (ty1 < K)
+        y = 2 * qy + oy
+        for ix in tl.static_range(K + 1):
+            ox = ix - P
+            tx0 = DIR * ox + P
+            tx1 = DIR * (ox - 1) + P
+            v = _load2d(ptrs, y, 2 * qx + ox, ok, H, W)
+            if tx0 >= 0 and tx0 < K:
+                acc00 += tl.load(w_ptr + ty0 * K + tx0, mask=in0, other=0.0) * v
+                acc10 += tl.load(w_ptr + ty1 * K + tx0, mask=in1, other=0.0) * v
+            if tx1 >= 0 and tx1 < K:
+                acc01 += tl.load(w_ptr + ty0 * K + tx1, mask=in0, other=0.0) * v
+                acc11 += tl.load(w_ptr + ty1 * K + tx1, mask=in1, other=0.0) * v
+    return acc00, acc01, acc10, acc11
+
+
+@triton.jit
+def _polyphase_corr2d(ptrs, g00, g01, g10, g11, dw_ptr, qy, qx, ok, H, W, K: tl.constexpr):
+    """Weight gradient of :func:`_polyphase_conv2d` (DIR = 1) over the tile, added atomically:
+    ``dw[t] += sum_{tile, s} g_s(q) * plane(2q + s + t - K // 2)``."""
+    P: tl.constexpr = K // 2
+    for ty in range(K):
+        y = 2 * qy + (ty - P)
+        for tx in tl.static_range(K):
+            a, b, c, d = _block2d(ptrs, y, 2 * qx + (tx - P), ok, H, W)
+            p = g00 * a + g01 * b + g10 * c + g11 * d
+            tl.atomic_add(dw_ptr + ty * K + tx, tl.sum(tl.sum(p, axis=1), axis=0), sem="relaxed")
+
+
+@triton.jit
+def _store2d(ptrs, v, y, x, ok, H, W):
+    inside = (y < H) & (x < W)
+    tl.store(ptrs + (y * W + x)[None, :], v.to(ptrs.dtype.element_ty), mask=ok & inside[None, :])
+
+
+@triton.jit
+def _store_blocks2d(ptrs, v00, v01, v10, v11, qy, qx, ok, H, W):
+    """Store the four pixels 2q + s of each block (cropping the far side of odd sizes)."""
+    _store2d(ptrs, v00, 2 * qy, 2 * qx, ok, H, W)
+    _store2d(ptrs, v01, 2 * qy, 2 * qx + 1, ok, H, W)
+    _store2d(ptrs, v10, 2 * qy + 1, 2 * qx, ok, H, W)
+    _store2d(ptrs, v11, 2 * qy + 1, 2 * qx + 1, ok, H, W)
+
+
+@triton.jit
+def _tile_coords(B, C, num_q, BLOCK_B: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """This program's channel ``c``, batch rows ``b`` [BLOCK_B] and flattened grid positions ``q`` [BLOCK_Q].
+
+    Programs are numbered position chunk fastest, then channel, then batch block, so that neighbouring chunks of one
+    plane (which share halos) run together.
+    """
+    pid = tl.program_id(0)
+    rest = pid // num_q
+    q = (pid % num_q) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    b = (rest // C) * BLOCK_B + tl.arange(0, BLOCK_B)
+    return b, rest % C, q
+
+
+@triton.jit
+def _haar_conv2d(ptrs, w_ptr, qy, qx, ok, H, W, K: tl.constexpr, DIR: tl.constexpr):
+    """Depthwise K x K correlation of the four Haar sub-bands of a plane (DIR = 1), or its adjoint (DIR = -1), on the
+    sub-band grid: ``acc_b(q) = sum_t w[b, t] * U_b(q + DIR * (t - K // 2))`` where ``U_b(p)`` is the unnormalised
+    sub-band b of the plane's 2 x 2 block at 2p, recomputed for every tap from four loads (the sub-bands never go to
+    memory). ``w_ptr`` points to this channel's ``[4, K * K]`` weights."""
+    P: tl.constexpr = K // 2
+    KK: tl.constexpr = K * K
+    acc0 = tl.zeros(ok.shape, tl.float32)
+    acc1 = tl.zeros(ok.shape, tl.float32)
+    acc2 = tl.zeros(ok.shape, tl.float32)
+    acc3 = tl.zeros(ok.shape, tl.float32)
+    for ty in range(K):
+        y = 2 * (qy + DIR * (ty - P))
+        for tx in tl.static_range(K):
+            ll, lh, hl, hh = _haar_block2d(ptrs, y, 2 * (qx + DIR * (tx - P)), ok, H, W)
+            t = ty * K + tx
+            acc0 += tl.load(w_ptr + t) * ll
+            acc1 += tl.load(w_ptr + KK + t) * lh
+            acc2 += tl.load(w_ptr + 2 * KK + t) * hl
+            acc3 += tl.load(w_ptr + 3 * KK + t) * hh
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _haar_corr2d(ptrs, g0, g1, g2, g3, dw_ptr, qy, qx, ok, H, W, K: tl.constexpr):
+    """Weight gradient of :func:`_haar_conv2d` (DIR = 1) over the tile, added atomically:
+    ``dw[b, t] += sum_tile g_b(q) * U_b(q + t - K // 2)``."""
+    P: tl.constexpr = K // 2
+    KK: tl.constexpr = K * K
+    for ty in range(K):
+        y = 2 * (qy + ty - P)
+        for tx in tl.static_range(K):
+            ll, lh, hl, hh = _haar_block2d(ptrs, y, 2 * (qx + tx - P), ok, H, W)
+            t = ty * K + tx
+            tl.atomic_add(dw_ptr + t, tl.sum(tl.sum(g0 * ll, axis=1), axis=0), sem="relaxed")
+            tl.atomic_add(dw_ptr + KK + t, tl.sum(tl.sum(g1 * lh, axis=1), axis=0), sem="relaxed")
+            tl.atomic_add(dw_ptr + 2 * KK + t, tl.sum(tl.sum(g2 * hl, axis=1), axis=0), sem="relaxed")
+            tl.atomic_add(dw_ptr + 3 * KK + t, tl.sum(tl.sum(g3 * hh, axis=1), axis=0), sem="relaxed")
+
+
+@triton.jit
+def _coarse_synthesis2d(buf_ptr, plane, qy, qx, ok, BC, H, W, LEVELS: tl.constexpr):
+    """Closed-form synthesis onto the level-1 grid of the processed sub-bands of levels 2..LEVELS:
+
+    ``R(q) = sum_j 2**-(j-1) * sum_b sign_b(q) * Z_j[b](q >> (j-1))``, the signs given by bit j-2 of q's coordinates
+    (LH takes the y bit, HL the x bit, HH both). ``R`` enters level 1 as an addition to its low-pass. ``buf_ptr``
+    holds Z_2, Z_3, ... one after the other, each ``[B, C, 4, ceil(H / 2**j), ceil(W / 2**j)]``; ``BC`` = B * C.
+    """
+    r = tl.zeros(ok.shape, tl.float32)
+    offset = tl.cast(0, tl.int64)
+    scale = 1.0
+    for j in tl.static_range(2, LEVELS + 1):
+        scale = scale * 0.5
+        hj = (H + (1 << j) - 1) >> j
+        wj = (W + (1 << j) - 1) >> j
+        size = hj * wj
+        sy = (1 - 2 * ((qy >> (j - 2)) & 1)).to(tl.float32)[None, :]
+        sx = (1 - 2 * ((qx >> (j - 2)) & 1)).to(tl.float32)[None, :]
+        ptrs = buf_ptr + offset + (plane * 4 * size)[:, None] + ((qy >> (j - 1)) * wj + (qx >> (j - 1)))[None, :]
+        ll = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+        lh = tl.load(ptrs + size, mask=ok, other=0.0).to(tl.float32)
+        hl = tl.load(ptrs + 2 * size, mask=ok, other=0.0).to(tl.float32)
+        hh = tl.load(ptrs + 3 * size, mask=ok, other=0.0).to(tl.float32)
+        r += scale * (ll + sy * lh + sx * (hl + sy * hh))
+        offset += tl.cast(BC, tl.int64) * 4 * size
+    return r
+
+
+# 3D: a volume is handled as z-slices of 2D planes; sub-band b = hz + 2 hy + 4 hx, pixel phases s = 4 sz + 2 sy + sx.
+
+
+@triton.jit
+def _slice3d(ptrs, z, ok, D, HW):
+    """Pointers to z-slice ``z`` (per grid position) of a volume and the tile mask restricted to 0 <= z < D."""
+    return ptrs + (z * HW)[None, :], ok & ((z >= 0) & (z < D))[None, :]
+
+
+@triton.jit
+def _haar_block3d(ptrs, z, y, x, ok, D, H, W):
+    """Unnormalised 3D Haar sub-bands (in the order hz + 2 hy + 4 hx) of the 2 x 2 x 2 block at (z, y, x)."""
+    p0, ok0 = _slice3d(ptrs, z, ok, D, H * W)
+    p1, ok1 = _slice3d(ptrs, z + 1, ok, D, H * W)
+    a0, a1, a2, a3 = _haar_block2d(p0, y, x, ok0, H, W)
+    b0, b1, b2, b3 = _haar_block2d(p1, y, x, ok1, H, W)
+    return a0 + b0, a0 - b0, a1 + b1, a1 - b1, a2 + b2, a2 - b2, a3 + b3, a3 - b3
+
+
+@triton.jit
+def _butterfly3d(v0, v1, v2, v3, v4, v5, v6, v7):
+    """The 3D butterfly of :func:`_haar_block3d` on values given in pixel-phase order; like the 2D one it is symmetric,
+    so it also maps sub-band values (in sub-band order) to the block's pixels (in phase order), times 8."""
+    a0, a1, a2, a3 = _butterfly2d(v0, v1, v2, v3)
+    b0, b1, b2, b3 = _butterfly2d(v4, v5, v6, v7)
+    return a0 + b0, a0 - b0, a1 + b1, a1 - b1, a2 + b2, a2 - b2, a3 + b3, a3 - b3
+
+
+@triton.jit
+def _haar_conv3d(ptrs, w_ptr, qz, qy, qx, ok, D, H, W, K: tl.constexpr, DIR: tl.constexpr):
+    """3D analogue of :func:`_haar_conv2d` (eight sub-bands, ``w_ptr`` -> ``[8, K**3]``); the z taps are a loop."""
+    P: tl.constexpr = K // 2
+    KKK: tl.constexpr = K * K * K
+    acc0 = tl.zeros(ok.shape, tl.float32)
+    acc1 = tl.zeros(ok.shape, tl.float32)
+    acc2 = tl.zeros(ok.shape, tl.float32)
+    acc3 = tl.zeros(ok.shape, tl.float32)
+    acc4 = tl.zeros(ok.shape, tl.float32)
+    acc5 = tl.zeros(ok.shape, tl.float32)
+    acc6 = tl.zeros(ok.shape, tl.float32)
+    acc7 = tl.zeros(ok.shape, tl.float32)
+    for tz in range(K):
+        z = 2 * (qz + DIR * (tz - P))
+        for ty in range(K):
+            y = 2 * (qy + DIR * (ty - P))
+            for tx in tl.static_range(K):
+                u0, u1, u2, u3, u4, u5, u6, u7 = _haar_block3d(ptrs, z, y, 2 * (qx + DIR * (tx - P)), ok, D, H, W)
+                wt = w_ptr + (tz * K + ty) * K + tx
+                acc0 += tl.load(wt) * u0
+                acc1 += tl.load(wt + KKK) * u1
+                acc2 += tl.load(wt + 2 * KKK) * u2
+                acc3 += tl.load(wt + 3 * KKK) * u3
+                acc4 += tl.load(wt + 4 * KKK) * u4
+                acc5 += tl.load(wt + 5 * KKK) * u5
+                acc6 += tl.load(wt + 6 * KKK) * u6
+                acc7 += tl.load(wt + 7 * KKK) * u7
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _tile_sum(v):
+    return tl.sum(tl.sum(v, axis=1), axis=0)
+
+
+@triton.jit
+def _haar_corr3d(ptrs, g0, g1, g2, g3, g4, g5, g6, g7, dw_ptr, qz, qy, qx, ok, D, H, W, K: tl.constexpr):
+    """3D analogue of :func:`_haar_corr2d`."""
+    P: tl.constexpr = K // 2
+    KKK: tl.constexpr = K * K * K
+    for tz in range(K):
+        z = 2 * (qz + tz - P)
+        for ty in range(K):
+            y = 2 * (qy + ty - P)
+            for tx in tl.static_range(K):
+                u0, u1, u2, u3, u4, u5, u6, u7 = _haar_block3d(ptrs, z, y, 2 * (qx + tx - P), ok, D, H, W)
+                dw = dw_ptr + (tz * K + ty) * K + tx
+                tl.atomic_add(dw, _tile_sum(g0 * u0), sem="relaxed")
+                tl.atomic_add(dw + KKK, _tile_sum(g1 * u1), sem="relaxed")
+                tl.atomic_add(dw + 2 * KKK, _tile_sum(g2 * u2), sem="relaxed")
+                tl.atomic_add(dw + 3 * KKK, _tile_sum(g3 * u3), sem="relaxed")
+                tl.atomic_add(dw + 4 * KKK, _tile_sum(g4 * u4), sem="relaxed")
+                tl.atomic_add(dw + 5 * KKK, _tile_sum(g5 * u5), sem="relaxed")
+                tl.atomic_add(dw + 6 * KKK, _tile_sum(g6 * u6), sem="relaxed")
+                tl.atomic_add(dw + 7 * KKK, _tile_sum(g7 * u7), sem="relaxed")
+
+
+@triton.jit
+def _polyphase_conv3d(ptrs, w_ptr, qz, qy, qx, ok, D, H, W, K: tl.constexpr, DIR: tl.constexpr):
+    """3D analogue of :func:`_polyphase_conv2d` (eight pixels per block, phase order): for every z tap and z phase,
+    the 2D block-phase conv of the z-slice it reads."""
+    P: tl.constexpr = K // 2
+    acc0 = tl.zeros(ok.shape, tl.float32)
+    acc1 = tl.zeros(ok.shape, tl.float32)
+    acc2 = tl.zeros(ok.shape, tl.float32)
+    acc3 = tl.zeros(ok.shape, tl.float32)
+    acc4 = tl.zeros(ok.shape, tl.float32)
+    acc5 = tl.zeros(ok.shape, tl.float32)
+    acc6 = tl.zeros(ok.shape, tl.float32)
+    acc7 = tl.zeros(ok.shape, tl.float32)
+    for tz in range(K):
+        w_slice = w_ptr + tz * K * K
+        p0, ok0 = _slice3d(ptrs, 2 * qz + DIR * (tz - P), ok, D, H * W)
+        a0, a1, a2, a3 = _polyphase_conv2d(p0, w_slice, qy, qx, ok0, H, W, K, DIR)
+        p1, ok1 = _slice3d(ptrs, 2 * qz + 1 + DIR * (tz - P), ok, D, H * W)
+        a4, a5, a6, a7 = _polyphase_conv2d(p1, w_slice, qy, qx, ok1, H, W, K, DIR)
+        acc0 += a0
+        acc1 += a1
+        acc2 += a2
+        acc3 += a3
+        acc4 += a4
+        acc5 += a5
+        acc6 += a6
+        acc7 += a7
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _polyphase_corr3d(ptrs, g0, g1, g2, g3, g4, g5, g6, g7, dw_ptr, qz, qy, qx, ok, D, H, W, K: tl.constexpr):
+    """3D analogue of :func:`_polyphase_corr2d` (g in phase order), one z-slice at a time."""
+    P: tl.constexpr = K // 2
+    for tz in range(K):
+        p0, ok0 = _slice3d(ptrs, 2 * qz + tz - P, ok, D, H * W)
+        _polyphase_corr2d(p0, g0, g1, g2, g3, dw_ptr + tz * K * K, qy, qx, ok0, H, W, K)
+        p1, ok1 = _slice3d(ptrs, 2 * qz + 1 + tz - P, ok, D, H * W)
+        _polyphase_corr2d(p1, g4, g5, g6, g7, dw_ptr + tz * K * K, qy, qx, ok1, H, W, K)
+
+
+@triton.jit
+def _coarse_synthesis3d(buf_ptr, plane, qz, qy, qx, ok, BC, D, H, W, LEVELS: tl.constexpr):
+    """3D analogue of :func:`_coarse_synthesis2d`: factor 2**(-3(j-1)/2) per level, eight sub-bands."""
+    r = tl.zeros(ok.shape, tl.float32)
+    offset = tl.cast(0, tl.int64)
+    scale = 1.0
+    for j in tl.static_range(2, LEVELS + 1):
+        scale = scale * 0.35355339059327373  # 2**(-3/2)
+        dj = (D + (1 << j) - 1) >> j
+        hj = (H + (1 << j) - 1) >> j
+        wj = (W + (1 << j) - 1) >> j
+        size = dj * hj * wj
+        sz = (1 - 2 * ((qz >> (j - 2)) & 1)).to(tl.float32)[None, :]
+        sy = (1 - 2 * ((qy >> (j - 2)) & 1)).to(tl.float32)[None, :]
+        sx = (1 - 2 * ((qx >> (j - 2)) & 1)).to(tl.float32)[None, :]
+        pos = ((qz >> (j - 1)) * hj + (qy >> (j - 1))) * wj + (qx >> (j - 1))
+        ptrs = buf_ptr + offset + (plane * 8 * size)[:, None] + pos[None, :]
+        t0 = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32) + sz * tl.load(ptrs + size, mask=ok, other=0.0)
+        t1 = tl.load(ptrs + 2 * size, mask=ok, other=0.0).to(tl.float32) + sz * tl.load(
+            ptrs + 3 * size, mask=ok, other=0.0
+        )
+        t2 = tl.load(ptrs + 4 * size, mask=ok, other=0.0).to(tl.float32) + sz * tl.load(
+            ptrs + 5 * size, mask=ok, other=0.0
+        )
+        t3 = tl.load(ptrs + 6 * size, mask=ok, other=0.0).to(tl.float32) + sz * tl.load(
+            ptrs + 7 * size, mask=ok, other=0.0
+        )
+        r += scale * (t0 + sy * t1 + sx * (t2 + sy * t3))
+        offset += tl.cast(BC, tl.int64) * 8 * size
+    return r
+
+
+@triton.jit
+def _store_blocks3d(ptrs, v0, v1, v2, v3, v4, v5, v6, v7, qz, qy, qx, ok, D, H, W):
+    """Store the eight pixels 2q + s of each block (phase order), cropping the far side of odd sizes."""
+    p0, ok0 = _slice3d(ptrs, 2 * qz, ok, D, H * W)
+    _store_blocks2d(p0, v0, v1, v2, v3, qy, qx, ok0, H, W)
+    p1, ok1 = _slice3d(ptrs, 2 * qz + 1, ok, D, H * W)
+    _store_blocks2d(p1, v4, v5, v6, v7, qy, qx, ok1, H, W)
