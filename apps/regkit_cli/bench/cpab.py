@@ -125,10 +125,10 @@ def _plan(device: str, quick: bool) -> Plan:
         steps=50,
         sweep_cells=8,
         sweep=((5_000, 50), (10_000, 50), (20_000, 50), (20_000, 25), (20_000, 100)),
-        time_cap_s=60.0,
+        time_cap_s=120.0,
         memory_cap_bytes=int(0.5 * _available_memory()),
         isolate=True,
-        budget_s=4.0,
+        budget_s=6.0,
     )
 
 
