@@ -48,8 +48,9 @@ so it maps ``x -> M(phi(x))``, the order of :class:`~regkit.transform.Transforma
   read the moving grid from here).
 
 Atomicity: everything is written into a temporary folder beside the output folder, which is renamed into place only
-when complete; an existing folder is replaced (with ``overwrite``) only after the new one is complete. On any error,
-or Ctrl-C, the temporary folder is removed, so no half-written output ever exists.
+when complete; an existing folder is replaced (with ``overwrite``) only after the new one is complete, and only if it is
+empty or a regkit output folder (holds ``transform.json``). On any error, or Ctrl-C, the temporary folder is removed, so
+no half-written output ever exists.
 """
 
 from __future__ import annotations
@@ -130,13 +131,21 @@ class OutputExistsError(RegkitError):
 
 
 def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
-    """The output folder as a Path; raises :class:`OutputExistsError` if it exists and ``overwrite`` is False,
-    and :class:`RegkitError` if it is an existing file (which is never replaced)."""
-    out = Path(out_dir)
+    """The output folder as an absolute, normalised Path, after checking that it may be written.
+
+    Raises :class:`OutputExistsError` if it exists and ``overwrite`` is False, or if ``overwrite`` would replace a
+    non-empty folder that is not a regkit output (no ``transform.json``), and :class:`RegkitError` if it is a file.
+    """
+    out = Path(os.path.abspath(out_dir))
     if out.exists() and not out.is_dir():
-        raise RegkitError(f"output {out} exists and is not a folder; choose another -o")
+        raise RegkitError(f"output {out_dir} exists and is not a folder; choose another -o")
     if out.exists() and not overwrite:
-        raise OutputExistsError(f"output folder {out} exists; use --overwrite to replace it, or choose another -o")
+        raise OutputExistsError(f"output folder {out_dir} exists; use --overwrite to replace it, or choose another -o")
+    if out.exists() and any(out.iterdir()) and not (out / OUTPUT_FILES["transform"]).is_file():
+        raise OutputExistsError(
+            f"output folder {out_dir} is not empty and holds no {OUTPUT_FILES['transform']}: not a regkit output "
+            "folder, so --overwrite does not replace it; choose another -o"
+        )
     return out
 
 

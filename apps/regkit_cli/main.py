@@ -196,7 +196,10 @@ def register(
         typer.Option(help="cpu, cuda, cuda:N or auto (a GPU if there is one); default: the configuration's."),
     ] = None,
     seed: Annotated[int | None, typer.Option(help="Random seed; default: the configuration's.")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output folder.")] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Replace an existing output folder (an empty one, or an earlier output)."),
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors (for scripts).")] = False,
 ):
     """Register MOVING to FIXED and write the outputs into the folder OUTPUT (fixed file names):

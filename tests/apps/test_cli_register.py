@@ -142,7 +142,7 @@ def test_non_overlapping_fields_of_view_warn(files, tmp_path, capsys):
 def test_overwrite_replaces(files, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "old.txt").write_text("x")
+    (out / "transform.json").write_text("old")
     argv = ["register", files["fixed"], files["moving"], "-o", out, "-c", files["config"], "--quiet", "--overwrite"]
     assert _run(argv) == 0
     assert set(os.listdir(out)) == set(OUTPUT_FILES.values()) - {"warped_labels.nii.gz"}

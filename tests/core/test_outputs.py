@@ -318,13 +318,22 @@ def test_existing_folder_is_refused_then_replaced_with_overwrite(case, tmp_path)
     result, _, _ = case
     out = tmp_path / "out"
     out.mkdir()
-    (out / "old.txt").write_text("old")
+    (out / "transform.json").write_text("old")
     with pytest.raises(OutputExistsError, match="--overwrite"):
         write_outputs(result, out)
-    assert os.listdir(out) == ["old.txt"]
+    assert os.listdir(out) == ["transform.json"]
     write_outputs(result, out, overwrite=True)
-    assert "old.txt" not in os.listdir(out)
+    assert (out / "transform.json").read_text() != "old"
+    assert sorted(os.listdir(out)) == sorted(ALL_FILES - {"warped_labels.nii.gz"})
     assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_overwrite_never_replaces_a_folder_of_other_files(case, tmp_path):
+    result, _, _ = case
+    (tmp_path / "notes.txt").write_text("precious")
+    with pytest.raises(OutputExistsError, match="not a regkit output folder"):
+        write_outputs(result, tmp_path, overwrite=True)
+    assert os.listdir(tmp_path) == ["notes.txt"]
 
 
 @pytest.mark.parametrize("error", [RuntimeError("disk full"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
@@ -344,7 +353,7 @@ def test_failure_with_overwrite_keeps_the_old_folder(case, tmp_path, monkeypatch
     result, _, _ = case
     out = tmp_path / "out"
     out.mkdir()
-    (out / "old.txt").write_text("old")
+    (out / "transform.json").write_text("old")
 
     def fail(*args, **kwargs):
         raise RuntimeError("disk full")
@@ -352,7 +361,7 @@ def test_failure_with_overwrite_keeps_the_old_folder(case, tmp_path, monkeypatch
     monkeypatch.setattr(outputs, "_write_png", fail)
     with pytest.raises(RuntimeError):
         write_outputs(result, out, overwrite=True)
-    assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["old.txt"]
+    assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["transform.json"]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
