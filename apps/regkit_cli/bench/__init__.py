@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from regkit_cli.bench.cpab import cpab
+from regkit_cli.bench.wtconv import wtconv
 
 app = typer.Typer(
     help="Benchmarks: time and peak memory of regkit's fast paths beside their baselines.",
@@ -13,3 +14,4 @@ app = typer.Typer(
 )
 
 app.command("cpab")(cpab)
+app.command("wtconv")(wtconv)

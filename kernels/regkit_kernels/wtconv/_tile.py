@@ -91,11 +91,12 @@ def _polyphase_conv2d(ptrs, w_ptr, qy, qx, ok, H, W, K: tl.constexpr, DIR: tl.co
 @triton.jit
 def _polyphase_corr2d(ptrs, g00, g01, g10, g11, dw_ptr, qy, qx, ok, H, W, K: tl.constexpr):
     """Weight gradient of :func:`_polyphase_conv2d` (DIR = 1) over the tile, added atomically:
-    ``dw[t] += sum_{tile, s} g_s(q) * plane(2q + s + t - K // 2)``."""
+    ``dw[t] += sum_{tile, s} g_s(q) * plane(2q + s + t - K // 2)``. The tap loops stay loops (not unrolled): each
+    tap ends in tile reductions anyway, and unrolled they would multiply the compile time."""
     P: tl.constexpr = K // 2
     for ty in range(K):
         y = 2 * qy + (ty - P)
-        for tx in tl.static_range(K):
+        for tx in range(K):
             a, b, c, d = _block2d(ptrs, y, 2 * qx + (tx - P), ok, H, W)
             p = g00 * a + g01 * b + g10 * c + g11 * d
             tl.atomic_add(dw_ptr + ty * K + tx, tl.sum(tl.sum(p, axis=1), axis=0), sem="relaxed")
@@ -162,7 +163,7 @@ def _haar_corr2d(ptrs, g0, g1, g2, g3, dw_ptr, qy, qx, ok, H, W, K: tl.constexpr
     KK: tl.constexpr = K * K
     for ty in range(K):
         y = 2 * (qy + ty - P)
-        for tx in tl.static_range(K):
+        for tx in range(K):
             ll, lh, hl, hh = _haar_block2d(ptrs, y, 2 * (qx + tx - P), ok, H, W)
             t = ty * K + tx
             tl.atomic_add(dw_ptr + t, tl.sum(tl.sum(g0 * ll, axis=1), axis=0), sem="relaxed")
@@ -272,7 +273,7 @@ def _haar_corr3d(ptrs, g0, g1, g2, g3, g4, g5, g6, g7, dw_ptr, qz, qy, qx, ok, D
         z = 2 * (qz + tz - P)
         for ty in range(K):
             y = 2 * (qy + ty - P)
-            for tx in tl.static_range(K):
+            for tx in range(K):
                 u0, u1, u2, u3, u4, u5, u6, u7 = _haar_block3d(ptrs, z, y, 2 * (qx + tx - P), ok, D, H, W)
                 dw = dw_ptr + (tz * K + ty) * K + tx
                 tl.atomic_add(dw, _tile_sum(g0 * u0), sem="relaxed")

@@ -18,8 +18,9 @@ adjoint convolution of that, and the input gradient is the adjoint base convolut
 the sub-band gradients, written once. Weight gradients are tile sums of products recomputed on chip, added atomically in
 float32 (their summation order, and so their last bits, vary from run to run).
 
-Memory besides x, out and their gradients: the low-passes (1/3 of x in 2D, 1/7 in 3D), the processed sub-bands of
-levels 2..L during the forward pass and their gradients during the backward pass (as much again each).
+Memory besides x, out and their gradients: the low-passes (1/3 of x's elements in 2D, 1/7 in 3D), the processed
+sub-bands of levels 2..L during the forward pass and their gradients during the backward pass (as many again each).
+These coarse tensors are float32 whatever x's dtype: in bfloat16 only x, out and their gradients are rounded.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def _coarse_buffers(x: Tensor, sizes: list[tuple[int, ...]]) -> tuple[Tensor, li
     b, c = x.shape[:2]
     nb = 2 ** (x.dim() - 2)
     shapes = [(b, c, nb, *s) for s in sizes[2:]]
-    buffer = x.new_empty(sum(math.prod(s) for s in shapes))
+    buffer = x.new_empty(sum(math.prod(s) for s in shapes), dtype=torch.float32)
     views, start = [], 0
     for shape in shapes:
         views.append(buffer[start : start + math.prod(shape)].view(shape))
@@ -119,9 +120,9 @@ def _coarse_buffers(x: Tensor, sizes: list[tuple[int, ...]]) -> tuple[Tensor, li
 
 def haar_lowpass(t: Tensor) -> Tensor:
     """The raw Haar low-pass of ``t`` ``(B, C, *S)``: ``2**(-ndim/2)`` times the sums over 2 x 2 (x 2) blocks, the far
-    side of odd axes padded with zeros; size ``ceil(S / 2)``, dtype of ``t`` (float32 sums)."""
+    side of odd axes padded with zeros; size ``ceil(S / 2)``, float32."""
     size = _level_sizes(t.shape[2:], 1)[1]
-    low = t.new_empty(*t.shape[:2], *size)
+    low = t.new_empty(*t.shape[:2], *size, dtype=torch.float32)
     positions = math.prod(size)
     bb, bq = _launch_config(t, positions, _KERNELS[t.dim() - 2].tile)
     _KERNELS[t.dim() - 2].lowpass[_grid(t.shape[0], t.shape[1], positions, bb, bq)](

@@ -1,0 +1,381 @@
+"""``regkit bench wtconv``: the fused WTConv kernels beside the reference layer and a plain depthwise convolution.
+
+Shapes: the WTConvNeXt-T stages at batch 64, kernel 5 ((64, 96, 56, 56) with 5 levels, (64, 192, 28, 28) with 4,
+(64, 384, 14, 14) with 3, (64, 768, 7, 7) with 2) and two 3D shapes of the registration feature network with 3 levels.
+Versions, all in this process: the fused kernels in float32 and bfloat16 (bfloat16 activations, float32 parameters),
+the reference layer with ``torch.backends.cudnn.benchmark`` off (PyTorch's default) and on, and a plain depthwise
+k x k convolution with bias (cuDNN autotuning on).
+
+* Times: CUDA events around each call after warm-up; the median of repeated runs. "forward" is the layer's call with
+  gradients enabled (what a training step runs); "fwd+bwd" is that plus ``backward`` of a random output gradient.
+* Peak memory: ``torch.cuda.max_memory_allocated`` over one forward + backward, counting everything allocated for it,
+  the input x and output gradient included (x alone is given in each table's title).
+* I/O model: the bytes a version must move through HBM if every kernel reads its inputs once and writes its outputs
+  once. For the fused kernels it is counted from their launches; for the PyTorch versions every ATen operator of the
+  forward and backward passes is traced on the meta device and its tensor arguments and results are summed (view
+  operators move nothing; workspaces are not counted, so this is a lower bound). Achieved bandwidth = I/O bytes over
+  the fwd+bwd time, also as a share of the measured device-to-device copy bandwidth.
+* First use: seconds that the first forward + backward of a configuration takes beyond a warm one, in a fresh process
+  with an empty Triton cache (all configurations compile in parallel processes, so this is a bound per configuration).
+
+``--quick`` runs tiny shapes on the CPU in seconds (the fused rows only under ``TRITON_INTERPRET=1``); its times mean
+nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    import torch
+
+_MiB = 2**20
+_VERSIONS = ("fused fp32", "fused bf16", "reference", "reference (cudnn.benchmark)", "depthwise conv")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layer configuration: input shape ``(B, C, *spatial)``, wavelet levels and kernel size."""
+
+    shape: tuple[int, ...]
+    levels: int
+    kernel: int
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape) - 2
+
+    @property
+    def name(self) -> str:
+        return f"{tuple(self.shape)} L{self.levels} k{self.kernel}"
+
+
+_FULL = (
+    Case((64, 96, 56, 56), 5, 5),
+    Case((64, 192, 28, 28), 4, 5),
+    Case((64, 384, 14, 14), 3, 5),
+    Case((64, 768, 7, 7), 2, 5),
+    Case((2, 32, 96, 112, 96), 3, 5),
+    Case((1, 16, 160, 192, 160), 3, 5),
+)
+_QUICK = (Case((1, 2, 8, 6), 2, 3), Case((1, 1, 4, 4, 3), 1, 3))
+
+
+# ---- the versions --------------------------------------------------------------------------------------------------
+
+
+def _build(case: Case, version: str, device: str) -> tuple[Any, Any, Any]:
+    """(module, x, output gradient) for one version, parameters drawn uniformly in [-1, 1] (seeded)."""
+    import torch
+
+    from regkit.features import WTConv
+
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if version == "fused bf16" else torch.float32
+    channels = case.shape[1]
+    if version == "depthwise conv":
+        conv = (torch.nn.Conv2d if case.ndim == 2 else torch.nn.Conv3d)(
+            channels, channels, case.kernel, padding=case.kernel // 2, groups=channels
+        )
+        module: torch.nn.Module = conv
+    else:
+        backend = "triton" if version.startswith("fused") else "reference"
+        module = WTConv[case.ndim](channels, case.kernel, case.levels, backend=backend)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.rand(p.shape, generator=gen) * 2 - 1)
+    module = module.to(device)
+    x = torch.randn(case.shape, generator=gen).to(device=device, dtype=dtype).requires_grad_(True)
+    grad = torch.randn(case.shape, generator=gen).to(device=device, dtype=dtype)
+    return module, x, grad
+
+
+def _step(module: Any, x: Any, grad: Any) -> None:
+    x.grad = None
+    module.zero_grad(set_to_none=True)
+    module(x).backward(grad)
+
+
+# ---- measurements -------------------------------------------------------------------------------------------------
+
+
+def _timer(device: str, budget_s: float, max_runs: int, warm_up: bool = True) -> Callable[[Callable[[], Any]], float]:
+    """A function that times ``fn`` (after one warm-up call) and returns the median in ms: at least 3 runs (or
+    ``max_runs`` if fewer), more while within ``budget_s`` seconds, at most ``max_runs``."""
+    import torch
+
+    def time_it(fn: Callable[[], Any]) -> float:
+        if warm_up:
+            fn()
+        times: list[float] = []
+        start = time.perf_counter()
+        while len(times) < max_runs and (len(times) < 3 or time.perf_counter() - start < budget_s):
+            if device == "cuda":
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(begin.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(1000 * (time.perf_counter() - t0))
+        return statistics.median(times)
+
+    return time_it
+
+
+def _measure(case: Case, version: str, device: str, time_it: Callable[[Callable[[], Any]], float]) -> dict[str, Any]:
+    import torch
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.backends.cudnn.benchmark = version != "reference"
+        torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    module, x, grad = _build(case, version, device)
+    result: dict[str, Any] = {
+        "forward_ms": time_it(lambda: module(x)),
+        "step_ms": time_it(lambda: _step(module, x, grad)),
+    }
+    if cuda:
+        x.grad = None
+        module.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        _step(module, x, grad)
+        torch.cuda.synchronize()
+        result["peak_bytes"] = torch.cuda.max_memory_allocated() - base
+    return result
+
+
+def _copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written), the median of 20 copies of 1 GiB."""
+    import torch
+
+    src = torch.empty(2**28, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = _timer("cuda", 1.0, 20)(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / (ms / 1000)
+
+
+def _traced_bytes(case: Case, version: str) -> int:
+    """Bytes moved by the ATen operators of one forward + backward on the meta device (see the module docstring)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    total = 0
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            nonlocal total
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view and func.overloadpacket not in _NO_TRAFFIC:
+                tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+                total += sum(t.numel() * t.element_size() for t in tensors)
+            return out
+
+    _NO_TRAFFIC = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided}
+    module, x, grad = _build(case, version, "meta")
+    with _Count():
+        _step(module, x, grad)
+    return total
+
+
+def _fused_bytes(case: Case, itemsize: int) -> int:
+    """Bytes the fused kernels move in one forward + backward (weights aside): the launches of
+    ``regkit_kernels.wtconv``, each reading its inputs once and writing its outputs once; coarse tensors are float32."""
+    nb, f32 = 2**case.ndim, 4
+    planes = case.shape[0] * case.shape[1]
+    grid = [planes * math.prod(-(-s // 2**j) for s in case.shape[2:]) for j in range(case.levels + 1)]
+    lowpass = sum((itemsize if j == 1 else f32) * grid[j - 1] + f32 * grid[j] for j in range(1, case.levels))
+    coarse = sum(f32 * nb * grid[j] for j in range(2, case.levels + 1))
+    lows = sum(f32 * grid[j - 1] for j in range(2, case.levels + 1))
+    forward = lowpass + lows + coarse + coarse + 2 * itemsize * grid[0]
+    backward = lowpass + 2 * lows + coarse + coarse + 3 * itemsize * grid[0]
+    return forward + backward
+
+
+def _first_use_worker() -> None:
+    """Subprocess entry: seconds of the first forward + backward beyond a warm one, for the case in argv[1]."""
+    import torch
+
+    spec = json.loads(sys.argv[1])
+    case = Case(tuple(spec["shape"]), spec["levels"], spec["kernel"])
+    module, x, grad = _build(case, spec["version"], "cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    _step(module, x, grad)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    _step(module, x, grad)
+    torch.cuda.synchronize()
+    print(json.dumps({"first_use_s": (t1 - t0) - (time.perf_counter() - t1)}))
+
+
+def _first_use(cases: tuple[Case, ...], cache: Path) -> dict[tuple[Case, str], float | str]:
+    """First-use seconds of every fused configuration, each in a fresh process with an empty Triton cache (run in
+    parallel); their compiled kernels are then merged into ``cache`` so that this process finds them."""
+    jobs = []
+    for case in cases:
+        for version in ("fused fp32", "fused bf16"):
+            private = Path(tempfile.mkdtemp(prefix="regkit-triton-"))
+            env = {**os.environ, "TRITON_CACHE_DIR": str(private)}
+            spec = json.dumps({**asdict(case), "version": version})
+            code = "from regkit_cli.bench.wtconv import _first_use_worker; _first_use_worker()"
+            proc = subprocess.Popen(
+                [sys.executable, "-c", code, spec], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            jobs.append((case, version, private, proc))
+    results: dict[tuple[Case, str], float | str] = {}
+    for case, version, private, proc in jobs:
+        out, err = proc.communicate(timeout=900)
+        if proc.returncode == 0:
+            results[(case, version)] = json.loads(out.strip().splitlines()[-1])["first_use_s"]
+            shutil.copytree(private, cache, dirs_exist_ok=True)
+        else:
+            results[(case, version)] = "failed: " + (err.strip().splitlines() or ["?"])[-1][:80]
+        shutil.rmtree(private, ignore_errors=True)
+    return results
+
+
+# ---- tables -------------------------------------------------------------------------------------------------------
+
+
+def _fmt(value: float, digits: int = 3) -> str:
+    return f"{value:.{digits}g}" if value < 1000 else f"{value:,.0f}"
+
+
+def _row(version: str, result: dict[str, Any], io_bytes: int | None, copy_bw: float | None, first: Any) -> list[str]:
+    if "skipped" in result:
+        return [version, result["skipped"], "", "", "", "", "", ""]
+    peak = result.get("peak_bytes")
+    cells = [version, _fmt(result["forward_ms"]), _fmt(result["step_ms"]), "n/a" if peak is None else _fmt(peak / _MiB)]
+    if io_bytes is None:
+        cells += ["", "", ""]
+    else:
+        bandwidth = io_bytes / (result["step_ms"] / 1000)
+        share = "" if copy_bw is None else f"{100 * bandwidth / copy_bw:.0f}%"
+        cells += [_fmt(io_bytes / 1e6), _fmt(bandwidth / 1e9), share]
+    cells.append("" if first is None else (first if isinstance(first, str) else f"{first:.1f}"))
+    return cells
+
+
+def _render(title: str, rows: list[list[str]]) -> tuple[Any, str]:
+    from rich.table import Table
+
+    header = ["version", "forward ms", "fwd+bwd ms", "peak MiB", "I/O MB", "GB/s", "of copy", "first use s"]
+    table = Table(title=title, title_justify="left")
+    for name in header:
+        table.add_column(name, justify="left" if name == "version" else "right")
+    for row in rows:
+        table.add_row(*row)
+    lines = [f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    return table, "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def _summary(results: dict[tuple[Case, str], dict[str, Any]], cases: tuple[Case, ...]) -> list[str]:
+    """The issue's targets, computed from the measurements."""
+
+    def step(case: Case, version: str) -> float | None:
+        return results.get((case, version), {}).get("step_ms")
+
+    def geomean(values: list[float]) -> float:
+        return math.exp(sum(math.log(v) for v in values) / len(values))
+
+    lines = []
+    stages = [c for c in cases if c.ndim == 2]
+    fused = [step(c, "fused fp32") for c in stages]
+    if stages and all(fused):
+        lines.append(f"2D fused fp32 fwd+bwd: geometric mean {geomean(fused):.3g} ms over {len(stages)} shapes.")
+        for version in ("reference", "reference (cudnn.benchmark)", "fused bf16", "depthwise conv"):
+            other = [step(c, version) for c in stages]
+            if all(other):
+                ratios = [o / f for o, f in zip(other, fused, strict=True)]
+                listed = ", ".join(f"{r:.2f}" for r in ratios)
+                lines.append(f"fwd+bwd time, {version} / fused fp32: {listed} (geomean {geomean(ratios):.2f}).")
+    for case in (c for c in cases if c.ndim == 3):
+        f, ref = results.get((case, "fused fp32"), {}), results.get((case, "reference (cudnn.benchmark)"), {})
+        if "step_ms" in f and "step_ms" in ref:
+            ratio = ref["step_ms"] / f["step_ms"]
+            line = f"3D {case.name}: fwd+bwd time, reference (cudnn.benchmark) / fused fp32 = {ratio:.2f}"
+            if "peak_bytes" in f and "peak_bytes" in ref:
+                line += f", peak memory fused / reference = {f['peak_bytes'] / ref['peak_bytes']:.2f}"
+            lines.append(line + ".")
+    return lines
+
+
+def wtconv(
+    quick: Annotated[bool, typer.Option("--quick", help="Tiny shapes on the CPU: a smoke test in seconds.")] = False,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Also write the tables as markdown to this file.")
+    ] = None,
+    first_use: Annotated[
+        bool, typer.Option("--first-use/--no-first-use", help="Measure first-use (compile) time per configuration.")
+    ] = True,
+) -> None:
+    """Time forward and forward + backward, peak memory, I/O bytes and bandwidth of the fused WTConv kernels beside
+    the reference layer (cuDNN autotuning off and on) and a plain depthwise convolution, WTConvNeXt-T stages and 3D."""
+    if not quick:  # a private Triton cache, so that first use is measured from scratch (set before triton loads)
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="regkit-triton-")
+    import torch
+    from rich.console import Console
+
+    device = "cpu" if quick else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise typer.BadParameter("CUDA is not available here (use --quick for a CPU smoke test)", param_hint="--quick")
+    cases = _QUICK if quick else _FULL
+    console = Console()
+    fused_ok = device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if device == "cuda":
+        name = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+        copy_bw: float | None = _copy_bandwidth()
+        name += f"; device-to-device copy {copy_bw / 1e9:,.0f} GB/s (read + write)"
+    else:
+        name, copy_bw = f"CPU, torch {torch.__version__} (timings meaningless)", None
+    console.print(name)
+    first = _first_use(cases, Path(os.environ["TRITON_CACHE_DIR"])) if device == "cuda" and first_use else {}
+    time_it = _timer(device, 1.0, 50) if not quick else _timer(device, 0.0, 1, warm_up=False)
+    results: dict[tuple[Case, str], dict[str, Any]] = {}
+    markdown = [f"### `regkit bench wtconv{' --quick' if quick else ''}`", "", name, ""]
+    for case in cases:
+        rows = []
+        x_mib = math.prod(case.shape) * 4 / _MiB
+        for version in _VERSIONS:
+            if version.startswith("fused") and not fused_ok:
+                result: dict[str, Any] = {"skipped": "needs CUDA or TRITON_INTERPRET=1"}
+            else:
+                result = _measure(case, version, device, time_it)
+            results[(case, version)] = result
+            if version.startswith("fused"):
+                io = _fused_bytes(case, 2 if version == "fused bf16" else 4)
+            else:
+                io = _traced_bytes(case, version)
+            rows.append(_row(version, result, io, copy_bw, first.get((case, version))))
+            console.print("  " + "  ".join(rows[-1]).rstrip(), style="dim")
+        table, md = _render(f"{case.name}, x = {x_mib:,.1f} MiB in float32", rows)
+        console.print(table)
+        markdown.append(md)
+    summary = _summary(results, cases)
+    for line in summary:
+        console.print(line)
+    markdown += [*summary, ""]
+    if output is not None:
+        output.write_text("\n".join(markdown))
+        console.print(f"wrote {output}")

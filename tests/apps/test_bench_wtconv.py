@@ -1,0 +1,35 @@
+"""``regkit bench wtconv --quick``: tiny shapes on the CPU (fused rows through the Triton interpreter)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from regkit_cli.main import app
+
+
+def test_bench_wtconv_quick_prints_and_writes_tables(tmp_path: Path) -> None:
+    out = tmp_path / "bench.md"
+    result = CliRunner().invoke(app, ["bench", "wtconv", "--quick", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    markdown = out.read_text()
+    assert "| version | forward ms | fwd+bwd ms | peak MiB | I/O MB | GB/s | of copy | first use s |" in markdown
+    assert "**(1, 2, 8, 6) L2 k3" in markdown and "**(1, 1, 4, 4, 3) L1 k3" in markdown
+    for version in ("fused fp32", "fused bf16", "reference", "reference (cudnn.benchmark)", "depthwise conv"):
+        assert markdown.count(f"| {version} |") == 2
+    assert "2D fused fp32 fwd+bwd: geometric mean" in markdown
+
+
+def test_fused_io_model_counts_every_launch() -> None:
+    """One 2D level (no coarse levels): the output kernel reads x and writes out; the backward reads dy and x and
+    writes dx. Two levels add the low-pass pyramid and the level-2 sub-bands (float32)."""
+    from regkit_cli.bench.wtconv import Case, _fused_bytes
+
+    n = 2 * 3 * 8 * 8
+    assert _fused_bytes(Case((2, 3, 8, 8), 1, 5), 4) == 4 * (2 * n + 3 * n)
+    low, sub = n // 4, n // 4  # level-1 grid elements; level-2 sub-bands: 4 bands x n / 16
+    lowpass = 4 * n + 4 * low  # x -> LL_1
+    forward = lowpass + 4 * low + 2 * 4 * sub + 2 * 4 * n
+    backward = lowpass + 2 * 4 * low + 2 * 4 * sub + 3 * 4 * n
+    assert _fused_bytes(Case((2, 3, 8, 8), 2, 5), 4) == forward + backward
