@@ -326,8 +326,8 @@ def _device_name(device: str) -> str:
 
     if device == "cuda":
         return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    cpu = platform.processor() or platform.machine()
-    return f"CPU {cpu} ({torch.get_num_threads()} threads), torch {torch.__version__}"
+    cpu, threads = platform.processor() or platform.machine(), torch.get_num_threads()
+    return f"CPU {cpu} ({threads} thread{'' if threads == 1 else 's'}), torch {torch.__version__}"
 
 
 def cpab(
@@ -366,7 +366,8 @@ def cpab(
         "whole sensitivity integration; skipped (cap) = predicted over the time or memory cap."
     )
     console.print(settings)
-    markdown = [f"### `regkit bench cpab --device {device.value}{' --quick' if quick else ''}`", "", settings, ""]
+    flags = f"--device {device.value}{' --quick' if quick else ''}{'' if threads is None else f' --threads {threads}'}"
+    markdown = [f"### `regkit bench cpab {flags}`", "", settings, ""]
 
     header = ["tessellation", "d", "method", "forward ms", "gradient ms", "peak MiB"]
     for ndim, (batch, points, cell_counts) in plan.sizes.items():
