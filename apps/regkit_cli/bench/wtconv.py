@@ -114,27 +114,30 @@ def _step(module: Any, x: Any, grad: Any) -> None:
 
 
 def _timer(device: str, budget_s: float, max_runs: int, warm_up: bool = True) -> Callable[[Callable[[], Any]], float]:
-    """A function that times ``fn`` (after one warm-up call) and returns the median in ms: at least 3 runs (or
-    ``max_runs`` if fewer), more while within ``budget_s`` seconds, at most ``max_runs``."""
+    """A function that times ``fn`` after one warm-up call and returns the median in ms: runs while within
+    ``budget_s`` seconds, at least 3 (1 if the warm-up alone took longer than the budget), at most ``max_runs``."""
     import torch
 
-    def time_it(fn: Callable[[], Any]) -> float:
-        if warm_up:
+    def once(fn: Callable[[], Any]) -> float:
+        if device != "cuda":
+            t0 = time.perf_counter()
             fn()
+            return 1000 * (time.perf_counter() - t0)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end)
+
+    def time_it(fn: Callable[[], Any]) -> float:
+        least = min(3, max_runs)
+        if warm_up and once(fn) > 1000 * budget_s:
+            least = 1
         times: list[float] = []
         start = time.perf_counter()
-        while len(times) < max_runs and (len(times) < 3 or time.perf_counter() - start < budget_s):
-            if device == "cuda":
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(begin.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(1000 * (time.perf_counter() - t0))
+        while len(times) < max_runs and (len(times) < least or time.perf_counter() - start < budget_s):
+            times.append(once(fn))
         return statistics.median(times)
 
     return time_it

@@ -5,6 +5,6 @@ Ladder: ``_wtconv{2,3}d_*_kernel`` (``kernels2d.py``, ``kernels3d.py``, blocks i
 ``regkit.features.wtconv_reference``), which ``regkit.features.WTConv2d/3d(backend="triton")`` call.
 """
 
-from regkit_kernels.wtconv.ops import WTConvFunction, haar_lowpass, wtconv_bwd, wtconv_fused, wtconv_fwd
+from regkit_kernels.wtconv.ops import WTConvFunction, wtconv_bwd, wtconv_fused, wtconv_fwd
 
-__all__ = ["WTConvFunction", "haar_lowpass", "wtconv_bwd", "wtconv_fused", "wtconv_fwd"]
+__all__ = ["WTConvFunction", "wtconv_bwd", "wtconv_fused", "wtconv_fwd"]

@@ -23,6 +23,15 @@ from regkit_kernels.wtconv._tile import (
 
 
 @triton.jit
+def _store_bands2d(ptrs, size, e0, e1, e2, e3, ok):
+    """Store four sub-band tiles ``size`` elements apart."""
+    tl.store(ptrs, e0, mask=ok)
+    tl.store(ptrs + size, e1, mask=ok)
+    tl.store(ptrs + 2 * size, e2, mask=ok)
+    tl.store(ptrs + 3 * size, e3, mask=ok)
+
+
+@triton.jit
 def _haar_lowpass2d_kernel(
     # pointers: a plane stack [B, C, H, W] and its raw Haar low-pass [B, C, Hq, Wq]
     src_ptr,
@@ -43,15 +52,18 @@ def _haar_lowpass2d_kernel(
     plane = (b * C + c).to(tl.int64)
     ll, _, _, _ = _haar_block2d(src_ptr + (plane * H * W)[:, None], 2 * (q // Wq), 2 * (q % Wq), ok, H, W)
     out = low_ptr + (plane * Hq * Wq)[:, None] + q[None, :]
-    tl.store(out, (0.5 * ll).to(low_ptr.dtype.element_ty), mask=ok)
+    tl.store(out, 0.5 * ll, mask=ok)
 
 
 @triton.jit
 def _wtconv2d_level_fwd_kernel(
-    # pointers: the previous level's raw low-pass [B, C, H, W]; weights [C, 4, K*K]; output Z [B, C, 4, Hq, Wq]
+    # pointers: the previous level's raw low-pass [B, C, H, W]; weights [C, 4, K*K]; outputs: the processed sub-bands
+    # Z [B, C, 4, Hq, Wq] and this level's raw low-pass [B, C, Hq, Wq] (the positions q < low_size: all, or none at
+    # the deepest level)
     src_ptr,
     w_ptr,
     z_ptr,
+    low_ptr,
     # sizes
     B,
     C,
@@ -59,6 +71,7 @@ def _wtconv2d_level_fwd_kernel(
     W,
     Hq,
     Wq,
+    low_size,
     K: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -69,12 +82,11 @@ def _wtconv2d_level_fwd_kernel(
     qy = q // Wq
     qx = q % Wq
     plane = (b * C + c).to(tl.int64)
-    z0, z1, z2, z3 = _haar_conv2d(src_ptr + (plane * H * W)[:, None], w_ptr + c * 4 * K * K, qy, qx, ok, H, W, K, 1)
-    out = z_ptr + (plane * 4 * Hq * Wq)[:, None] + q[None, :]
-    tl.store(out, z0.to(z_ptr.dtype.element_ty), mask=ok)
-    tl.store(out + Hq * Wq, z1.to(z_ptr.dtype.element_ty), mask=ok)
-    tl.store(out + 2 * Hq * Wq, z2.to(z_ptr.dtype.element_ty), mask=ok)
-    tl.store(out + 3 * Hq * Wq, z3.to(z_ptr.dtype.element_ty), mask=ok)
+    src = src_ptr + (plane * H * W)[:, None]
+    ll, _, _, _ = _haar_block2d(src, 2 * qy, 2 * qx, ok, H, W)
+    tl.store(low_ptr + (plane * Hq * Wq)[:, None] + q[None, :], 0.5 * ll, mask=ok & (q < low_size)[None, :])
+    z0, z1, z2, z3 = _haar_conv2d(src, w_ptr + c * 4 * K * K, qy, qx, ok, H, W, K, 1)
+    _store_bands2d(z_ptr + (plane * 4 * Hq * Wq)[:, None] + q[None, :], Hq * Wq, z0, z1, z2, z3, ok)
 
 
 @triton.jit
@@ -129,11 +141,13 @@ def _wtconv2d_fwd_kernel(
 @triton.jit
 def _wtconv2d_level_bwd_kernel(
     # pointers: the output gradient's low-pass and the raw low-pass at the level's input [B, C, H, W]; weights
-    # [C, 4, K*K]; output: the gradient of the level's sub-bands [B, C, 4, Hq, Wq]; weight gradient [C, 4, K*K]
+    # [C, 4, K*K]; outputs: the gradient of the level's sub-bands [B, C, 4, Hq, Wq], the output gradient's next
+    # low-pass [B, C, Hq, Wq] (q < low_size, as in the forward) and the weight gradient [C, 4, K*K] (added)
     dsrc_ptr,
     src_ptr,
     w_ptr,
     dz_ptr,
+    dlow_ptr,
     dw_ptr,
     # sizes
     B,
@@ -142,6 +156,7 @@ def _wtconv2d_level_bwd_kernel(
     W,
     Hq,
     Wq,
+    low_size,
     K: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -155,13 +170,10 @@ def _wtconv2d_level_bwd_kernel(
     plane = (b * C + c).to(tl.int64)
     dsrc = dsrc_ptr + (plane * H * W)[:, None]
     g0, g1, g2, g3 = _haar_block2d(dsrc, 2 * qy, 2 * qx, ok, H, W)
+    tl.store(dlow_ptr + (plane * Hq * Wq)[:, None] + q[None, :], 0.5 * g0, mask=ok & (q < low_size)[None, :])
     _haar_corr2d(src_ptr + (plane * H * W)[:, None], g0, g1, g2, g3, dw_ptr + c * 4 * K * K, qy, qx, ok, H, W, K)
     e0, e1, e2, e3 = _haar_conv2d(dsrc, w_ptr + c * 4 * K * K, qy, qx, ok, H, W, K, -1)
-    out = dz_ptr + (plane * 4 * Hq * Wq)[:, None] + q[None, :]
-    tl.store(out, e0.to(dz_ptr.dtype.element_ty), mask=ok)
-    tl.store(out + Hq * Wq, e1.to(dz_ptr.dtype.element_ty), mask=ok)
-    tl.store(out + 2 * Hq * Wq, e2.to(dz_ptr.dtype.element_ty), mask=ok)
-    tl.store(out + 3 * Hq * Wq, e3.to(dz_ptr.dtype.element_ty), mask=ok)
+    _store_bands2d(dz_ptr + (plane * 4 * Hq * Wq)[:, None] + q[None, :], Hq * Wq, e0, e1, e2, e3, ok)
 
 
 @triton.jit

@@ -32,15 +32,15 @@ def _grid_coords3d(q, Hq, Wq):
 
 @triton.jit
 def _store_bands3d(ptrs, size, e0, e1, e2, e3, e4, e5, e6, e7, ok):
-    ty = ptrs.dtype.element_ty
-    tl.store(ptrs, e0.to(ty), mask=ok)
-    tl.store(ptrs + size, e1.to(ty), mask=ok)
-    tl.store(ptrs + 2 * size, e2.to(ty), mask=ok)
-    tl.store(ptrs + 3 * size, e3.to(ty), mask=ok)
-    tl.store(ptrs + 4 * size, e4.to(ty), mask=ok)
-    tl.store(ptrs + 5 * size, e5.to(ty), mask=ok)
-    tl.store(ptrs + 6 * size, e6.to(ty), mask=ok)
-    tl.store(ptrs + 7 * size, e7.to(ty), mask=ok)
+    """Store eight sub-band tiles ``size`` elements apart."""
+    tl.store(ptrs, e0, mask=ok)
+    tl.store(ptrs + size, e1, mask=ok)
+    tl.store(ptrs + 2 * size, e2, mask=ok)
+    tl.store(ptrs + 3 * size, e3, mask=ok)
+    tl.store(ptrs + 4 * size, e4, mask=ok)
+    tl.store(ptrs + 5 * size, e5, mask=ok)
+    tl.store(ptrs + 6 * size, e6, mask=ok)
+    tl.store(ptrs + 7 * size, e7, mask=ok)
 
 
 @triton.jit
@@ -68,15 +68,17 @@ def _haar_lowpass3d_kernel(
     plane = (b * C + c).to(tl.int64)
     ll, _, _, _, _, _, _, _ = _haar_block3d(src_ptr + (plane * D * H * W)[:, None], 2 * qz, 2 * qy, 2 * qx, ok, D, H, W)
     out = low_ptr + (plane * size)[:, None] + q[None, :]
-    tl.store(out, (ll * _R3).to(low_ptr.dtype.element_ty), mask=ok)
+    tl.store(out, ll * _R3, mask=ok)
 
 
 @triton.jit
 def _wtconv3d_level_fwd_kernel(
-    # pointers: the previous level's raw low-pass [B, C, D, H, W]; weights [C, 8, K**3]; output Z [B, C, 8, Dq, Hq, Wq]
+    # pointers: the previous level's raw low-pass [B, C, D, H, W]; weights [C, 8, K**3]; outputs: the processed
+    # sub-bands Z [B, C, 8, Dq, Hq, Wq] and this level's raw low-pass [B, C, Dq, Hq, Wq] (q < low_size: all or none)
     src_ptr,
     w_ptr,
     z_ptr,
+    low_ptr,
     # sizes
     B,
     C,
@@ -86,6 +88,7 @@ def _wtconv3d_level_fwd_kernel(
     Dq,
     Hq,
     Wq,
+    low_size,
     K: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -97,6 +100,8 @@ def _wtconv3d_level_fwd_kernel(
     qz, qy, qx = _grid_coords3d(q, Hq, Wq)
     plane = (b * C + c).to(tl.int64)
     src = src_ptr + (plane * D * H * W)[:, None]
+    ll, _, _, _, _, _, _, _ = _haar_block3d(src, 2 * qz, 2 * qy, 2 * qx, ok, D, H, W)
+    tl.store(low_ptr + (plane * size)[:, None] + q[None, :], ll * _R3, mask=ok & (q < low_size)[None, :])
     z0, z1, z2, z3, z4, z5, z6, z7 = _haar_conv3d(src, w_ptr + c * 8 * K * K * K, qz, qy, qx, ok, D, H, W, K, 1)
     _store_bands3d(z_ptr + (plane * 8 * size)[:, None] + q[None, :], size, z0, z1, z2, z3, z4, z5, z6, z7, ok)
 
@@ -160,11 +165,13 @@ def _wtconv3d_fwd_kernel(
 @triton.jit
 def _wtconv3d_level_bwd_kernel(
     # pointers: the output gradient's low-pass and the raw low-pass at the level's input [B, C, D, H, W]; weights
-    # [C, 8, K**3]; output: the level's sub-band gradient [B, C, 8, Dq, Hq, Wq]; weight gradient [C, 8, K**3]
+    # [C, 8, K**3]; outputs: the level's sub-band gradient [B, C, 8, Dq, Hq, Wq], the output gradient's next low-pass
+    # [B, C, Dq, Hq, Wq] (q < low_size: all or none) and the weight gradient [C, 8, K**3] (added)
     dsrc_ptr,
     src_ptr,
     w_ptr,
     dz_ptr,
+    dlow_ptr,
     dw_ptr,
     # sizes
     B,
@@ -175,6 +182,7 @@ def _wtconv3d_level_bwd_kernel(
     Dq,
     Hq,
     Wq,
+    low_size,
     K: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -187,6 +195,7 @@ def _wtconv3d_level_bwd_kernel(
     plane = (b * C + c).to(tl.int64)
     dsrc = dsrc_ptr + (plane * D * H * W)[:, None]
     g0, g1, g2, g3, g4, g5, g6, g7 = _haar_block3d(dsrc, 2 * qz, 2 * qy, 2 * qx, ok, D, H, W)
+    tl.store(dlow_ptr + (plane * size)[:, None] + q[None, :], g0 * _R3, mask=ok & (q < low_size)[None, :])
     _haar_corr3d(
         src_ptr + (plane * D * H * W)[:, None], g0, g1, g2, g3, g4, g5, g6, g7, dw_ptr + c * 8 * K * K * K,
         qz, qy, qx, ok, D, H, W, K,

@@ -4,7 +4,8 @@ The layer (see ``regkit.features.wtconv``) is computed with three reformulations
 
 1. Haar analysis on chip: a level's sub-bands are recomputed from the previous level's raw low-pass inside the tap
    loop of the level's depthwise convolution and never written. Level 1 reads x itself; the raw low-passes of levels
-   1..L-1 (a quarter, a sixteenth, ... of x in 2D) are made by a small kernel and kept for the backward pass.
+   1..L-1 (a quarter, a sixteenth, ... of x in 2D; the first by a small kernel, the others by the level kernels) are
+   kept for the backward pass.
 2. Closed-form synthesis: the cascade of inverse transforms collapses to one pass. Pixel y receives, from level j,
    ``2**(-j*ndim/2) * sum_b sign_b(y) * Z_j[b](y >> j)``, the signs given by bit j-1 of y's coordinates. The output
    kernel works on 2 x 2 (x 2) blocks, one per level-1 position: it computes level 1's convolution and the base
@@ -13,7 +14,7 @@ The layer (see ``regkit.features.wtconv``) is computed with three reformulations
    so autograd recovers their gradients from the folded weights' gradients; no scaling pass exists.
 
 The backward pass mirrors the forward: the adjoint of the closed-form synthesis is the Haar analysis cascade of the
-output gradient (its low-passes by the same small kernel, its sub-bands on chip); each level's sub-band gradient is the
+output gradient (its low-passes made like the forward's, its sub-bands on chip); each level's sub-band gradient is the
 adjoint convolution of that, and the input gradient is the adjoint base convolution plus the closed-form synthesis of
 the sub-band gradients, written once. Weight gradients are tile sums of products recomputed on chip, added atomically in
 float32 (their summation order, and so their last bits, vary from run to run).
@@ -92,12 +93,18 @@ def _level_sizes(size: Sequence[int], levels: int) -> list[tuple[int, ...]]:
 
 
 def _launch_config(x: Tensor, positions: int, tile: int) -> tuple[int, int]:
-    """(BLOCK_B, BLOCK_Q): grid positions per program up to the tile, batch rows filling the rest."""
+    """(BLOCK_B, BLOCK_Q) for a grid of ``positions`` per plane: one of three shapes of ``tile`` elements (long rows of
+    one batch item for large grids, 8 x tile/8, tile/8 x 8), so that a layer compiles few kernel variants; batch rows
+    are capped by the batch."""
     if x.device.type == "cpu":
         tile = _INTERPRETER_TILE
-    block_q = min(triton.next_power_of_2(positions), tile)
-    block_b = min(triton.next_power_of_2(x.shape[0]), max(1, tile // block_q))
-    return block_b, block_q
+    if positions >= tile:
+        block_b, block_q = 1, tile
+    elif positions >= tile // 8 or x.device.type == "cpu":
+        block_b, block_q = 8, max(tile // 8, triton.next_power_of_2(positions) if x.device.type == "cpu" else 0)
+    else:
+        block_b, block_q = tile // 8, 8
+    return min(block_b, triton.next_power_of_2(x.shape[0])), block_q
 
 
 def _grid(batch: int, channels: int, positions: int, block_b: int, block_q: int) -> tuple[int]:
@@ -118,17 +125,14 @@ def _coarse_buffers(x: Tensor, sizes: list[tuple[int, ...]]) -> tuple[Tensor, li
     return buffer, views
 
 
-def haar_lowpass(t: Tensor) -> Tensor:
-    """The raw Haar low-pass of ``t`` ``(B, C, *S)``: ``2**(-ndim/2)`` times the sums over 2 x 2 (x 2) blocks, the far
-    side of odd axes padded with zeros; size ``ceil(S / 2)``, float32."""
-    size = _level_sizes(t.shape[2:], 1)[1]
-    low = t.new_empty(*t.shape[:2], *size, dtype=torch.float32)
-    positions = math.prod(size)
-    bb, bq = _launch_config(t, positions, _KERNELS[t.dim() - 2].tile)
-    _KERNELS[t.dim() - 2].lowpass[_grid(t.shape[0], t.shape[1], positions, bb, bq)](
-        t, low, *t.shape[:2], *t.shape[2:], *size, BLOCK_B=bb, BLOCK_Q=bq, num_warps=_NUM_WARPS
+def _lowpass(t: Tensor, low: Tensor, kern: _Kernels) -> None:
+    """Write into ``low`` the raw Haar low-pass of ``t``: ``2**(-ndim/2)`` times the sums over 2 x 2 (x 2) blocks, the
+    far side of odd axes padded with zeros (the deeper low-passes come out of the level kernels)."""
+    positions = math.prod(low.shape[2:])
+    bb, bq = _launch_config(t, positions, kern.tile)
+    kern.lowpass[_grid(t.shape[0], t.shape[1], positions, bb, bq)](
+        t, low, *t.shape[:2], *t.shape[2:], *low.shape[2:], BLOCK_B=bb, BLOCK_Q=bq, num_warps=_NUM_WARPS
     )
-    return low
 
 
 def _check(x: Tensor) -> None:
@@ -155,16 +159,16 @@ def wtconv_fwd(x: Tensor, base_weight: Tensor, base_bias: Tensor, level_weights:
     kern, k = _KERNELS[ndim], round(base_weight.shape[1] ** (1 / ndim))
     haar_weights = level_weights * 2 ** (-ndim / 2)
     sizes = _level_sizes(x.shape[2:], levels)
-    lows = [x]
-    for _ in range(levels - 1):
-        lows.append(haar_lowpass(lows[-1]))
+    lows = [x] + [x.new_empty(batch, channels, *s, dtype=torch.float32) for s in sizes[1:levels]]
+    if levels > 1:
+        _lowpass(x, lows[1], kern)
     coarse, views = _coarse_buffers(x, sizes)
-    for j in range(2, levels + 1):
+    for j in range(2, levels + 1):  # level j also writes the low-pass that level j + 1 reads
         positions = math.prod(sizes[j])
         bb, bq = _launch_config(x, positions, kern.tile)
         kern.level_fwd[_grid(batch, channels, positions, bb, bq)](
-            lows[j - 1], haar_weights[j - 1], views[j - 2], batch, channels, *sizes[j - 1], *sizes[j],
-            K=k, BLOCK_B=bb, BLOCK_Q=bq, num_warps=_NUM_WARPS,
+            lows[j - 1], haar_weights[j - 1], views[j - 2], lows[j] if j < levels else coarse, batch, channels,
+            *sizes[j - 1], *sizes[j], positions * (j < levels), K=k, BLOCK_B=bb, BLOCK_Q=bq, num_warps=_NUM_WARPS,
         )  # fmt: skip
     out = torch.empty_like(x)
     positions = math.prod(sizes[1])
@@ -184,20 +188,21 @@ def wtconv_bwd(
     kern, k = _KERNELS[ndim], round(base_weight.shape[1] ** (1 / ndim))
     haar_weights = level_weights * 2 ** (-ndim / 2)
     sizes = _level_sizes(x.shape[2:], levels)
-    grads = [grad_out]
-    for _ in range(levels - 1):
-        grads.append(haar_lowpass(grads[-1]))
+    grads = [grad_out] + [x.new_empty(batch, channels, *s, dtype=torch.float32) for s in sizes[1:levels]]
+    if levels > 1:
+        _lowpass(grad_out, grads[1], kern)
     srcs = [x, *lows]
     coarse, views = _coarse_buffers(x, sizes)
     grad_base = torch.zeros_like(base_weight, dtype=torch.float32)
     grad_bias = torch.zeros(channels, device=x.device, dtype=torch.float32)
     grad_levels = torch.zeros_like(level_weights, dtype=torch.float32)
-    for j in range(2, levels + 1):
+    for j in range(2, levels + 1):  # level j also writes the gradient low-pass that level j + 1 reads
         positions = math.prod(sizes[j])
         bb, bq = _launch_config(x, positions, kern.tile)
         kern.level_bwd[_grid(batch, channels, positions, bb, bq)](
-            grads[j - 1], srcs[j - 1], haar_weights[j - 1], views[j - 2], grad_levels[j - 1], batch, channels,
-            *sizes[j - 1], *sizes[j], K=k, BLOCK_B=bb, BLOCK_Q=bq, num_warps=_NUM_WARPS,
+            grads[j - 1], srcs[j - 1], haar_weights[j - 1], views[j - 2], grads[j] if j < levels else coarse,
+            grad_levels[j - 1], batch, channels, *sizes[j - 1], *sizes[j], positions * (j < levels),
+            K=k, BLOCK_B=bb, BLOCK_Q=bq, num_warps=_NUM_WARPS,
         )  # fmt: skip
     grad_x = torch.empty_like(x)
     positions = math.prod(sizes[1])
