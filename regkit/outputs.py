@@ -204,6 +204,15 @@ def resample(
     return Image(on_grid.warp(data, image.grid, mode=mode).cpu(), grid)
 
 
+def _sample(image: Image, world: torch.Tensor, mode: str = "linear") -> torch.Tensor:
+    """``image`` at world points ``(..., n)`` (on their device), returned on the CPU: float for linear, the voxel
+    type for nearest; 0 outside."""
+    data = image.data.to(world.device)
+    if mode == "linear" and not data.is_floating_point():
+        data = data.float()
+    return sample_image(data, image.grid, world, mode=mode).cpu()
+
+
 def _sitk_image(array: np.ndarray, grid: Grid, vector: bool) -> sitk.Image:
     """A SimpleITK image of ``array`` (``grid.shape``, plus a trailing component axis if ``vector``) on ``grid``."""
     import SimpleITK as sitk
@@ -236,14 +245,14 @@ def write_displacement(field: torch.Tensor, grid: Grid, path: str | os.PathLike)
     return path
 
 
-def _write_transform_h5(transform: Transformation, path: Path, device: torch.device | str | None) -> None:
-    """``transform`` as one ITK composite transform file: ``CompositeTransform([affine, CPAB displacement field])``,
-    which ITK evaluates as ``affine(field(x))`` (the last transform added acts first)."""
+def _write_transform_h5(transform: Transformation, cpab_field: torch.Tensor, path: Path) -> None:
+    """``transform`` as one ITK composite transform file, ``CompositeTransform([affine, field])`` with ``cpab_field``
+    the displacement of its CPAB part on the fixed grid; ITK evaluates it as ``affine(field(x))`` (the last transform
+    added acts first)."""
     import SimpleITK as sitk
 
     grid = transform.fixed_grid
-    field = transform.cpab_displacement(device=device).cpu().double().numpy()
-    field_transform = sitk.DisplacementFieldTransform(_sitk_image(field, grid, vector=True))
+    field_transform = sitk.DisplacementFieldTransform(_sitk_image(cpab_field.double().numpy(), grid, vector=True))
     affine = to_sitk_affine(transform.matrix, grid_centre(grid))
     sitk.WriteTransform(sitk.CompositeTransform([affine, field_transform]), str(path))
 
@@ -374,8 +383,9 @@ def _finite(value: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def _similarities(result: RegistrationResult, fixed_world: torch.Tensor) -> dict[str, dict]:
-    """``{name: {"before", "after"}}`` for ncc, mse and the last optimized stage's similarity (module docstring)."""
+def _similarities(result: RegistrationResult, world: torch.Tensor, mapped: torch.Tensor) -> dict[str, dict]:
+    """``{name: {"before", "after"}}`` for ncc, mse and the last optimized stage's similarity (module docstring);
+    ``world``: the fixed voxel centres, ``mapped``: their images under the transformation (moving world space)."""
     measures: dict[str, dict[str, Any]] = {"ncc": {}, "mse": {}}
     optimized = [stage for stage in result.config.stages if hasattr(stage, "similarity")]
     if optimized and optimized[-1].similarity.name in ("lncc", "mi"):
@@ -383,10 +393,7 @@ def _similarities(result: RegistrationResult, fixed_world: torch.Tensor) -> dict
         measures[last.name] = last.model_dump(exclude={"name"})
     fixed = _rescaled(result.fixed.data)[None, None]
     moving = Image(_rescaled(result.moving.data), result.moving.grid)
-    images = {
-        "before": sample_image(moving.data, moving.grid, fixed_world)[None, None],
-        "after": resample(result.transform, moving, device=result.device).data[None, None],
-    }
+    images = {"before": _sample(moving, world)[None, None], "after": _sample(moving, mapped)[None, None]}
     out = {}
     with torch.no_grad():
         for name, params in measures.items():
@@ -452,8 +459,9 @@ def _window(values: np.ndarray) -> np.ndarray:
 
 
 def _jacobian_colours(det: np.ndarray, folded: np.ndarray) -> np.ndarray:
-    """RGB in [0, 1]: log2(det) in [-1, 1] from blue (shrinking) through white (1) to red (growing); folds green."""
-    t = np.clip(np.log2(np.maximum(det, 1e-6)), -1.0, 1.0)[..., None]
+    """RGB in [0, 1]: from blue (det <= 1/sqrt 2, shrinking) through white (det = 1) to red (det >= sqrt 2, growing),
+    linear in log2(det); ``folded`` pixels green."""
+    t = np.clip(2.0 * np.log2(np.maximum(det, 1e-6)), -1.0, 1.0)[..., None]
     white = np.ones(3)
     rgb = np.where(
         t < 0, white + (-t) * (np.array([0.1, 0.25, 0.9]) - white), white + t * (np.array([0.9, 0.1, 0.1]) - white)
@@ -519,14 +527,13 @@ def qc_picture(
             line |= distance < 0.75
         overlay = np.repeat(w[..., None], 3, axis=-1)
         overlay[line] = (1.0, 0.85, 0.0)
-        panels = [np.repeat(checker[..., None], 3, axis=-1), overlay, _jacobian_colours(d, folds)]
-        gap = np.zeros((size[0], _QC_GAP, 3))
-        rows.append(np.concatenate([panels[0], gap, panels[1], gap, panels[2]], axis=1))
-    width = max(r.shape[1] for r in rows)
-    padded = []
-    for r in rows:
-        padded.append(np.pad(r, ((0, _QC_GAP), (0, width - r.shape[1]), (0, 0))))
-    return (np.concatenate(padded, axis=0)[:-_QC_GAP] * 255).round().astype(np.uint8)
+        rows.append([np.repeat(checker[..., None], 3, axis=-1), overlay, _jacobian_colours(d, folds)])
+    width = max(panel.shape[1] for row in rows for panel in row) + _QC_GAP  # one column width: panels line up
+    lines = [
+        np.concatenate([np.pad(p, ((0, _QC_GAP), (0, width - p.shape[1]), (0, 0))) for p in row], 1) for row in rows
+    ]
+    picture = np.concatenate(lines, axis=0)[:-_QC_GAP, :-_QC_GAP]
+    return (picture * 255).round().astype(np.uint8)
 
 
 def _write_png(rgb: np.ndarray, path: Path) -> None:
@@ -607,27 +614,27 @@ def _write_all(
     def done(key: str) -> None:
         written[key] = paths[key]
 
-    warped = resample(transform, result.moving, device=device)
-    fixed_world = fixed_grid.world_points(torch.float32)
+    # One evaluation of the transformation serves the warped images, the displacement and the CPAB-only field.
+    world = fixed_grid.world_points(torch.float64, device)
+    mapped = transform.transform_world(world)
+    warped = Image(_sample(result.moving, mapped), fixed_grid)
     if flags.warped:
         write_image(warped, paths["warped"])
         done("warped")
     label_metrics = None
     if moving_labels is not None:
-        warped_labels = resample(transform, moving_labels, mode="nearest", device=device)
+        warped_labels = Image(_sample(moving_labels, mapped, "nearest"), fixed_grid)
         write_image(warped_labels, paths["warped_labels"])
         done("warped_labels")
         if fixed_labels is not None:
             if fixed_labels.grid != fixed_grid:
-                fixed_labels = Image(
-                    sample_image(fixed_labels.data, fixed_labels.grid, fixed_world, "nearest"), fixed_grid
-                )
-            unmoved_labels = sample_image(moving_labels.data, moving_labels.grid, fixed_world, "nearest")
+                fixed_labels = Image(_sample(fixed_labels, world, "nearest"), fixed_grid)
+            unmoved_labels = _sample(moving_labels, world, "nearest")
             label_metrics = _label_metrics(
                 fixed_labels, moving_labels, unmoved_labels, warped_labels.data, fixed_grid.spacing
             )
 
-    displacement = transform.displacement(device=device).cpu()
+    displacement = (mapped - world).float().cpu()
     if flags.displacement:
         write_displacement(displacement, fixed_grid, paths["displacement"])
         done("displacement")
@@ -638,7 +645,10 @@ def _write_all(
     write_itk_affine(paths["affine"], transform.matrix, grid_centre(fixed_grid))
     done("affine")
     if flags.transform_h5:
-        _write_transform_h5(transform, paths["transform_h5"], device)
+        n = fixed_grid.ndim
+        inverse_matrix = torch.as_tensor(np.linalg.inv(transform.matrix), device=mapped.device)
+        cpab_points = mapped @ inverse_matrix[:n, :n].T + inverse_matrix[:n, n]  # phi(x) = M^-1 y
+        _write_transform_h5(transform, (cpab_points - world).cpu(), paths["transform_h5"])
         done("transform_h5")
     transform.save(paths["transform"])
     done("transform")
@@ -655,7 +665,7 @@ def _write_all(
     done("config")
 
     metrics = {
-        "similarity": _similarities(result, fixed_world),
+        "similarity": _similarities(result, world, mapped),
         **({"labels": label_metrics} if label_metrics is not None else {}),
         "jacobian": _jacobian_metrics(det_fd, det),
         "field_of_view_overlap": field_of_view_overlap(fixed_grid, result.moving.grid),
