@@ -443,8 +443,8 @@ def _jacobian_metrics(det_fd: torch.Tensor, det_analytic: torch.Tensor) -> dict[
     return {
         "fraction_nonpositive": fraction_nonpositive(det_fd) if interior else None,
         "sdlogj": _finite(sdlogj(det_fd)) if interior else None,
-        "analytic_min": float(det_analytic.min()),
-        "analytic_max": float(det_analytic.max()),
+        "analytic_min": _finite(float(det_analytic.min())),
+        "analytic_max": _finite(float(det_analytic.max())),
     }
 
 

@@ -155,7 +155,7 @@ def _summary(out: Path, metrics: dict) -> list[str]:
     if jac["fraction_nonpositive"] is not None:
         lines.append(
             f"Jacobian: {jac['fraction_nonpositive']:.2g} non-positive, SDlogJ {_num(jac['sdlogj'], '.3f')}, "
-            f"analytic det in [{jac['analytic_min']:.3f}, {jac['analytic_max']:.3f}]"
+            f"analytic det in [{_num(jac['analytic_min'], '.3f')}, {_num(jac['analytic_max'], '.3f')}]"
         )
     runtime = metrics["runtime"]
     stages = ", ".join(f"{s['kind']} {s['seconds']:.1f} s" for s in runtime["stages"])
