@@ -44,7 +44,15 @@ from regkit.spatial.pyramid import build_pyramid
 from regkit.spatial.sampling import sample_image
 from regkit.transform import Transformation
 
-__all__ = ["Cancelled", "Progress", "RegistrationResult", "StageReport", "register", "resolve_device"]
+__all__ = [
+    "Cancelled",
+    "Progress",
+    "RegistrationResult",
+    "StageReport",
+    "register",
+    "rescale_intensities",
+    "resolve_device",
+]
 
 _PERCENTILES = (0.5, 99.5)
 
@@ -109,17 +117,26 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def rescale_intensities(data: torch.Tensor) -> torch.Tensor:
+    """Intensities mapped linearly from their 0.5th/99.5th percentiles to [0, 1] and clamped to [-0.5, 1.5], in
+    ``data``'s floating dtype (float32 for integer images); a constant image gives zeros. What every similarity
+    measure sees during registration."""
+    values = data if data.is_floating_point() else data.float()
+    flat = values.flatten()
+    if flat.numel() > 2**24:  # quantile's input limit; a strided subsample estimates the percentiles as well
+        flat = flat[:: flat.numel() // 2**24 + 1]
+    q = torch.tensor(_PERCENTILES, device=flat.device) / 100
+    lo, hi = torch.quantile(flat.float(), q).tolist()
+    if hi <= lo:
+        return torch.zeros_like(values)  # a constant image: nothing to align; the similarities stay finite
+    return ((values - lo) / (hi - lo)).clamp(-0.5, 1.5)
+
+
 def _normalised(image: Image, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     data = image.data.to(device=device, dtype=dtype)
     if not torch.isfinite(data).all():
         raise ImageValueError(f"{name} image has {int((~torch.isfinite(data)).sum())} NaN/Inf voxels")
-    flat = data.flatten()
-    if flat.numel() > 2**24:  # quantile's input limit; a strided subsample estimates the percentiles as well
-        flat = flat[:: flat.numel() // 2**24 + 1]
-    lo, hi = torch.quantile(flat.float(), torch.tensor(_PERCENTILES, device=device) / 100).tolist()
-    if hi <= lo:
-        return torch.zeros_like(data)  # a constant image: nothing to align; the similarities stay finite
-    return ((data - lo) / (hi - lo)).clamp(-0.5, 1.5)
+    return rescale_intensities(data)
 
 
 def _mask(mask: Image | None, image: Image, name: str, device: torch.device, dtype: torch.dtype):

@@ -72,6 +72,7 @@ import torch.nn.functional as F
 
 from regkit import __version__
 from regkit.config import dump_config
+from regkit.engine import rescale_intensities
 from regkit.errors import ImageDimensionError, ImageValueError, ImageWriteError, RegkitError
 from regkit.io import Image, write_image
 from regkit.similarity import build_similarity
@@ -117,7 +118,7 @@ OUTPUT_FILES: dict[str, str] = {
 }
 """Output key -> file name inside the output folder (fixed; never depends on options)."""
 
-_PERCENTILES = (0.5, 99.5)  # intensity rescaling for the similarity metrics and the QC picture, as the engine's
+_PERCENTILES = (0.5, 99.5)  # display window of the QC picture
 _QC_SIDE = 256  # longest side of a QC panel, pixels
 _QC_GAP = 4  # black pixels between QC panels
 
@@ -369,16 +370,6 @@ def read_moving_grid(result_dir: str | os.PathLike) -> Grid:
 # Metrics
 
 
-def _rescaled(data: torch.Tensor) -> torch.Tensor:
-    """Intensities mapped linearly from their 0.5th/99.5th percentiles to [0, 1] and clamped to [-0.5, 1.5], as the
-    engine prepares its images (float32; a constant image gives zeros)."""
-    values = data.float()
-    flat = values.flatten()
-    flat = flat[:: flat.numel() // 2**24 + 1]  # torch.quantile's input limit
-    lo, hi = torch.quantile(flat, torch.tensor(_PERCENTILES) / 100).tolist()
-    return torch.zeros_like(values) if hi <= lo else ((values - lo) / (hi - lo)).clamp(-0.5, 1.5)
-
-
 def _finite(value: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
@@ -391,8 +382,8 @@ def _similarities(result: RegistrationResult, world: torch.Tensor, mapped: torch
     if optimized and optimized[-1].similarity.name in ("lncc", "mi"):
         last = optimized[-1].similarity
         measures[last.name] = last.model_dump(exclude={"name"})
-    fixed = _rescaled(result.fixed.data)[None, None]
-    moving = Image(_rescaled(result.moving.data), result.moving.grid)
+    fixed = rescale_intensities(result.fixed.data)[None, None]
+    moving = Image(rescale_intensities(result.moving.data), result.moving.grid)
     images = {"before": _sample(moving, world)[None, None], "after": _sample(moving, mapped)[None, None]}
     out = {}
     with torch.no_grad():

@@ -122,10 +122,11 @@ class Transformation:
         det = det.to(world.device)
         for part in _chunks(world.shape[0], 2**20):
             y = world[part]
-            for flow in self.cpab:
+            for k, flow in enumerate(self.cpab):
                 points = flow.world_to_domain(y.to(flow.theta.dtype))
                 det[part] *= flow.jacobian_determinant(points).to(det.dtype)
-                y = flow.domain_to_world(flow.transform_points(points)).to(world.dtype)
+                if k + 1 < len(self.cpab):  # the next flow starts where this one ends
+                    y = flow.domain_to_world(flow.transform_points(points)).to(world.dtype)
         return det.reshape(self.fixed_grid.shape).float()
 
     @torch.no_grad()
