@@ -18,6 +18,10 @@ except ImportError:  # triton is Linux-only; kernel tests skip themselves where 
 
 import torch
 
+# The tests use small tensors: one thread per process avoids oversubscribing the CPU (the suite runs with
+# pytest-xdist, one worker per core).
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     """Skip tests marked ``gpu`` when no CUDA device is present (CI never has one)."""
