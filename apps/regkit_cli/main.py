@@ -395,6 +395,9 @@ def export(
 
 
 # `regkit demo` (apps/regkit_cli/demo.py) is registered here, after the registration commands:
+from regkit_cli.demo import demo as _demo  # noqa: E402
+
+app.command("demo")(_demo)
 
 app.add_typer(bench_app, name="bench")
 
