@@ -258,7 +258,7 @@ def run_demo(
     device: str = "cpu",
     quiet: bool = False,
     overwrite: bool = False,
-    config: str | os.PathLike = "demo",
+    config: str | Path = "demo",
     progress: Callable[[Progress], None] | None = None,
 ) -> dict:
     """Generate the demo pair, register it with the ``demo`` preset and write the outputs into ``out_dir``.

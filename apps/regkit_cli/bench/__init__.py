@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from regkit_cli.bench.cpab import cpab
+from regkit_cli.bench.registration import registration
 from regkit_cli.bench.wtconv import wtconv
 
 app = typer.Typer(
@@ -15,3 +16,4 @@ app = typer.Typer(
 
 app.command("cpab")(cpab)
 app.command("wtconv")(wtconv)
+app.command("registration")(registration)
