@@ -1,10 +1,10 @@
 """Building blocks shared by the 2D and 3D WTConv kernels: masked loads, the Haar butterflies and the block-phase
 (polyphase) depthwise convolution on one plane.
 
-Every kernel works on a tile of ``BLOCK_B x BLOCK_Q`` elements: the rows are batch items of one channel (so all of a
-tile's weights are scalars), the columns are flattened positions ``q`` of a coarse grid (a Haar level's grid). A
-plane is addressed through a ``[BLOCK_B, 1]`` (or ``[BLOCK_B, BLOCK_Q]``) tensor of pointers to its first element,
-``ok`` masks the tile's valid elements, and coordinates are ``[BLOCK_Q]`` integer vectors shared by the rows.
+Every kernel works on tiles of one channel (so all of a tile's weights are scalars) whose elements are positions q of
+a coarse grid (a Haar level's grid) in some batch item. Planes are addressed through tensors of pointers to their first
+element, ``ok`` masks the valid elements, and coordinates are integer tensors; all of these only need to broadcast
+against each other (the weight-gradient kernels add a tap axis).
 
 The Haar butterflies here are unnormalised (sums and differences); the kernels fold the orthonormal factor
 2**(-ndim/2) into the weights. The 2D butterfly maps the block (a b / c d) to (LL, LH, HL, HH), LH being the high-pass
@@ -20,7 +20,7 @@ import triton.language as tl
 def _load2d(ptrs, y, x, ok, H, W):
     """Load ``plane[y, x]`` as float32 for every tile element, with zeros outside the H x W plane and the tile."""
     inside = (y >= 0) & (y < H) & (x >= 0) & (x < W)
-    return tl.load(ptrs + (y * W + x)[None, :], mask=ok & inside[None, :], other=0.0).to(tl.float32)
+    return tl.load(ptrs + (y * W + x), mask=ok & inside, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -40,10 +40,10 @@ def _block2d(ptrs, y, x, ok, H, W):
     y1 = (y >= -1) & (y < H - 1)
     x0 = (x >= 0) & (x < W)
     x1 = (x >= -1) & (x < W - 1)
-    a = tl.load(ptrs + r0[None, :], mask=ok & (y0 & x0)[None, :], other=0.0).to(tl.float32)
-    b = tl.load(ptrs + (r0 + 1)[None, :], mask=ok & (y0 & x1)[None, :], other=0.0).to(tl.float32)
-    c = tl.load(ptrs + (r0 + W)[None, :], mask=ok & (y1 & x0)[None, :], other=0.0).to(tl.float32)
-    d = tl.load(ptrs + (r0 + W + 1)[None, :], mask=ok & (y1 & x1)[None, :], other=0.0).to(tl.float32)
+    a = tl.load(ptrs + r0, mask=ok & (y0 & x0), other=0.0).to(tl.float32)
+    b = tl.load(ptrs + (r0 + 1), mask=ok & (y0 & x1), other=0.0).to(tl.float32)
+    c = tl.load(ptrs + (r0 + W), mask=ok & (y1 & x0), other=0.0).to(tl.float32)
+    d = tl.load(ptrs + (r0 + W + 1), mask=ok & (y1 & x1), other=0.0).to(tl.float32)
     return a, b, c, d
 
 
@@ -89,23 +89,9 @@ def _polyphase_conv2d(ptrs, w_ptr, qy, qx, ok, H, W, K: tl.constexpr, DIR: tl.co
 
 
 @triton.jit
-def _polyphase_corr2d(ptrs, g00, g01, g10, g11, dw_ptr, qy, qx, ok, H, W, K: tl.constexpr):
-    """Weight gradient of :func:`_polyphase_conv2d` (DIR = 1) over the tile, added atomically:
-    ``dw[t] += sum_{tile, s} g_s(q) * plane(2q + s + t - K // 2)``. The tap loops stay loops (not unrolled): each
-    tap ends in tile reductions anyway, and unrolled they would multiply the compile time."""
-    P: tl.constexpr = K // 2
-    for ty in range(K):
-        y = 2 * qy + (ty - P)
-        for tx in range(K):
-            a, b, c, d = _block2d(ptrs, y, 2 * qx + (tx - P), ok, H, W)
-            p = g00 * a + g01 * b + g10 * c + g11 * d
-            tl.atomic_add(dw_ptr + ty * K + tx, tl.sum(tl.sum(p, axis=1), axis=0), sem="relaxed")
-
-
-@triton.jit
 def _store2d(ptrs, v, y, x, ok, H, W):
     inside = (y < H) & (x < W)
-    tl.store(ptrs + (y * W + x)[None, :], v.to(ptrs.dtype.element_ty), mask=ok & inside[None, :])
+    tl.store(ptrs + (y * W + x), v.to(ptrs.dtype.element_ty), mask=ok & inside)
 
 
 @triton.jit
@@ -118,17 +104,16 @@ def _store_blocks2d(ptrs, v00, v01, v10, v11, qy, qx, ok, H, W):
 
 
 @triton.jit
-def _tile_coords(B, C, num_q, BLOCK_B: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """This program's channel ``c``, batch rows ``b`` [BLOCK_B] and flattened grid positions ``q`` [BLOCK_Q].
-
-    Programs are numbered position chunk fastest, then channel, then batch block, so that neighbouring chunks of one
-    plane (which share halos) run together.
-    """
+def _tile_coords(B, C, Q, BLOCK: tl.constexpr):
+    """This program's channel ``c`` and its tile: ``BLOCK`` consecutive (batch item, grid position) pairs of that
+    channel, flattened as ``n = b * Q + q`` (so small grids pack many batch items into one tile). Returns c, the plane
+    index ``b * C + c`` (int64), q and the validity mask, all [BLOCK]. Programs run chunk fastest, then channel, so
+    that neighbouring chunks (which share halos) run together."""
     pid = tl.program_id(0)
-    rest = pid // num_q
-    q = (pid % num_q) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    b = (rest // C) * BLOCK_B + tl.arange(0, BLOCK_B)
-    return b, rest % C, q
+    num_chunks = tl.cdiv(B * Q, BLOCK)
+    c = pid // num_chunks
+    n = (pid % num_chunks) * BLOCK + tl.arange(0, BLOCK)
+    return c, (n // Q * C + c).to(tl.int64), n % Q, n < B * Q
 
 
 @triton.jit
@@ -156,23 +141,6 @@ def _haar_conv2d(ptrs, w_ptr, qy, qx, ok, H, W, K: tl.constexpr, DIR: tl.constex
 
 
 @triton.jit
-def _haar_corr2d(ptrs, g0, g1, g2, g3, dw_ptr, qy, qx, ok, H, W, K: tl.constexpr):
-    """Weight gradient of :func:`_haar_conv2d` (DIR = 1) over the tile, added atomically:
-    ``dw[b, t] += sum_tile g_b(q) * U_b(q + t - K // 2)``."""
-    P: tl.constexpr = K // 2
-    KK: tl.constexpr = K * K
-    for ty in range(K):
-        y = 2 * (qy + ty - P)
-        for tx in range(K):
-            ll, lh, hl, hh = _haar_block2d(ptrs, y, 2 * (qx + tx - P), ok, H, W)
-            t = ty * K + tx
-            tl.atomic_add(dw_ptr + t, tl.sum(tl.sum(g0 * ll, axis=1), axis=0), sem="relaxed")
-            tl.atomic_add(dw_ptr + KK + t, tl.sum(tl.sum(g1 * lh, axis=1), axis=0), sem="relaxed")
-            tl.atomic_add(dw_ptr + 2 * KK + t, tl.sum(tl.sum(g2 * hl, axis=1), axis=0), sem="relaxed")
-            tl.atomic_add(dw_ptr + 3 * KK + t, tl.sum(tl.sum(g3 * hh, axis=1), axis=0), sem="relaxed")
-
-
-@triton.jit
 def _coarse_synthesis2d(buf_ptr, plane, qy, qx, ok, BC, H, W, LEVELS: tl.constexpr):
     """Closed-form synthesis onto the level-1 grid of the processed sub-bands of levels 2..LEVELS:
 
@@ -188,9 +156,9 @@ def _coarse_synthesis2d(buf_ptr, plane, qy, qx, ok, BC, H, W, LEVELS: tl.constex
         hj = (H + (1 << j) - 1) >> j
         wj = (W + (1 << j) - 1) >> j
         size = hj * wj
-        sy = (1 - 2 * ((qy >> (j - 2)) & 1)).to(tl.float32)[None, :]
-        sx = (1 - 2 * ((qx >> (j - 2)) & 1)).to(tl.float32)[None, :]
-        ptrs = buf_ptr + offset + (plane * 4 * size)[:, None] + ((qy >> (j - 1)) * wj + (qx >> (j - 1)))[None, :]
+        sy = (1 - 2 * ((qy >> (j - 2)) & 1)).to(tl.float32)
+        sx = (1 - 2 * ((qx >> (j - 2)) & 1)).to(tl.float32)
+        ptrs = buf_ptr + offset + plane * 4 * size + (qy >> (j - 1)) * wj + (qx >> (j - 1))
         ll = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
         lh = tl.load(ptrs + size, mask=ok, other=0.0).to(tl.float32)
         hl = tl.load(ptrs + 2 * size, mask=ok, other=0.0).to(tl.float32)
@@ -206,7 +174,7 @@ def _coarse_synthesis2d(buf_ptr, plane, qy, qx, ok, BC, H, W, LEVELS: tl.constex
 @triton.jit
 def _slice3d(ptrs, z, ok, D, HW):
     """Pointers to z-slice ``z`` (per grid position) of a volume and the tile mask restricted to 0 <= z < D."""
-    return ptrs + (z * HW)[None, :], ok & ((z >= 0) & (z < D))[None, :]
+    return ptrs + z * HW, ok & (z >= 0) & (z < D)
 
 
 @triton.jit
@@ -260,33 +228,6 @@ def _haar_conv3d(ptrs, w_ptr, qz, qy, qx, ok, D, H, W, K: tl.constexpr, DIR: tl.
 
 
 @triton.jit
-def _tile_sum(v):
-    return tl.sum(tl.sum(v, axis=1), axis=0)
-
-
-@triton.jit
-def _haar_corr3d(ptrs, g0, g1, g2, g3, g4, g5, g6, g7, dw_ptr, qz, qy, qx, ok, D, H, W, K: tl.constexpr):
-    """3D analogue of :func:`_haar_corr2d`."""
-    P: tl.constexpr = K // 2
-    KKK: tl.constexpr = K * K * K
-    for tz in range(K):
-        z = 2 * (qz + tz - P)
-        for ty in range(K):
-            y = 2 * (qy + ty - P)
-            for tx in range(K):
-                u0, u1, u2, u3, u4, u5, u6, u7 = _haar_block3d(ptrs, z, y, 2 * (qx + tx - P), ok, D, H, W)
-                dw = dw_ptr + (tz * K + ty) * K + tx
-                tl.atomic_add(dw, _tile_sum(g0 * u0), sem="relaxed")
-                tl.atomic_add(dw + KKK, _tile_sum(g1 * u1), sem="relaxed")
-                tl.atomic_add(dw + 2 * KKK, _tile_sum(g2 * u2), sem="relaxed")
-                tl.atomic_add(dw + 3 * KKK, _tile_sum(g3 * u3), sem="relaxed")
-                tl.atomic_add(dw + 4 * KKK, _tile_sum(g4 * u4), sem="relaxed")
-                tl.atomic_add(dw + 5 * KKK, _tile_sum(g5 * u5), sem="relaxed")
-                tl.atomic_add(dw + 6 * KKK, _tile_sum(g6 * u6), sem="relaxed")
-                tl.atomic_add(dw + 7 * KKK, _tile_sum(g7 * u7), sem="relaxed")
-
-
-@triton.jit
 def _polyphase_conv3d(ptrs, w_ptr, qz, qy, qx, ok, D, H, W, K: tl.constexpr, DIR: tl.constexpr):
     """3D analogue of :func:`_polyphase_conv2d` (eight pixels per block, phase order): for every z tap and z phase,
     the 2D block-phase conv of the z-slice it reads."""
@@ -317,17 +258,6 @@ def _polyphase_conv3d(ptrs, w_ptr, qz, qy, qx, ok, D, H, W, K: tl.constexpr, DIR
 
 
 @triton.jit
-def _polyphase_corr3d(ptrs, g0, g1, g2, g3, g4, g5, g6, g7, dw_ptr, qz, qy, qx, ok, D, H, W, K: tl.constexpr):
-    """3D analogue of :func:`_polyphase_corr2d` (g in phase order), one z-slice at a time."""
-    P: tl.constexpr = K // 2
-    for tz in range(K):
-        p0, ok0 = _slice3d(ptrs, 2 * qz + tz - P, ok, D, H * W)
-        _polyphase_corr2d(p0, g0, g1, g2, g3, dw_ptr + tz * K * K, qy, qx, ok0, H, W, K)
-        p1, ok1 = _slice3d(ptrs, 2 * qz + 1 + tz - P, ok, D, H * W)
-        _polyphase_corr2d(p1, g4, g5, g6, g7, dw_ptr + tz * K * K, qy, qx, ok1, H, W, K)
-
-
-@triton.jit
 def _coarse_synthesis3d(buf_ptr, plane, qz, qy, qx, ok, BC, D, H, W, LEVELS: tl.constexpr):
     """3D analogue of :func:`_coarse_synthesis2d`: factor 2**(-3(j-1)/2) per level, eight sub-bands."""
     r = tl.zeros(ok.shape, tl.float32)
@@ -339,11 +269,11 @@ def _coarse_synthesis3d(buf_ptr, plane, qz, qy, qx, ok, BC, D, H, W, LEVELS: tl.
         hj = (H + (1 << j) - 1) >> j
         wj = (W + (1 << j) - 1) >> j
         size = dj * hj * wj
-        sz = (1 - 2 * ((qz >> (j - 2)) & 1)).to(tl.float32)[None, :]
-        sy = (1 - 2 * ((qy >> (j - 2)) & 1)).to(tl.float32)[None, :]
-        sx = (1 - 2 * ((qx >> (j - 2)) & 1)).to(tl.float32)[None, :]
+        sz = (1 - 2 * ((qz >> (j - 2)) & 1)).to(tl.float32)
+        sy = (1 - 2 * ((qy >> (j - 2)) & 1)).to(tl.float32)
+        sx = (1 - 2 * ((qx >> (j - 2)) & 1)).to(tl.float32)
         pos = ((qz >> (j - 1)) * hj + (qy >> (j - 1))) * wj + (qx >> (j - 1))
-        ptrs = buf_ptr + offset + (plane * 8 * size)[:, None] + pos[None, :]
+        ptrs = buf_ptr + offset + plane * 8 * size + pos
         t0 = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32) + sz * tl.load(ptrs + size, mask=ok, other=0.0)
         t1 = tl.load(ptrs + 2 * size, mask=ok, other=0.0).to(tl.float32) + sz * tl.load(
             ptrs + 3 * size, mask=ok, other=0.0

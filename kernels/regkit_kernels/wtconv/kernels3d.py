@@ -8,18 +8,15 @@ import triton
 import triton.language as tl
 
 from regkit_kernels.wtconv._tile import (
+    _block2d,
     _butterfly3d,
     _coarse_synthesis3d,
     _haar_block3d,
     _haar_conv3d,
-    _haar_corr3d,
-    _load2d,
     _polyphase_conv3d,
-    _polyphase_corr3d,
     _slice3d,
     _store_blocks3d,
     _tile_coords,
-    _tile_sum,
 )
 
 _R3: tl.constexpr = tl.constexpr(0.35355339059327373)  # 2**(-3/2), the orthonormal 3D Haar factor
@@ -57,18 +54,13 @@ def _haar_lowpass3d_kernel(
     Dq,
     Hq,
     Wq,
-    BLOCK_B: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """The orthonormal Haar low-pass (LLL) of every 2 x 2 x 2 block, zero-padded on the far side of odd sizes."""
-    size = Dq * Hq * Wq
-    b, c, q = _tile_coords(B, C, tl.cdiv(size, BLOCK_Q), BLOCK_B, BLOCK_Q)
-    ok = (b < B)[:, None] & (q < size)[None, :]
+    _, plane, q, ok = _tile_coords(B, C, Dq * Hq * Wq, BLOCK)
     qz, qy, qx = _grid_coords3d(q, Hq, Wq)
-    plane = (b * C + c).to(tl.int64)
-    ll, _, _, _, _, _, _, _ = _haar_block3d(src_ptr + (plane * D * H * W)[:, None], 2 * qz, 2 * qy, 2 * qx, ok, D, H, W)
-    out = low_ptr + (plane * size)[:, None] + q[None, :]
-    tl.store(out, ll * _R3, mask=ok)
+    ll, _, _, _, _, _, _, _ = _haar_block3d(src_ptr + plane * D * H * W, 2 * qz, 2 * qy, 2 * qx, ok, D, H, W)
+    tl.store(low_ptr + plane * Dq * Hq * Wq + q, ll * _R3, mask=ok)
 
 
 @triton.jit
@@ -90,20 +82,17 @@ def _wtconv3d_level_fwd_kernel(
     Wq,
     low_size,
     K: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """One Haar level (2 and deeper): analysis recomputed on chip, fused with the depthwise conv."""
     size = Dq * Hq * Wq
-    b, c, q = _tile_coords(B, C, tl.cdiv(size, BLOCK_Q), BLOCK_B, BLOCK_Q)
-    ok = (b < B)[:, None] & (q < size)[None, :]
+    c, plane, q, ok = _tile_coords(B, C, size, BLOCK)
     qz, qy, qx = _grid_coords3d(q, Hq, Wq)
-    plane = (b * C + c).to(tl.int64)
-    src = src_ptr + (plane * D * H * W)[:, None]
+    src = src_ptr + plane * D * H * W
     ll, _, _, _, _, _, _, _ = _haar_block3d(src, 2 * qz, 2 * qy, 2 * qx, ok, D, H, W)
-    tl.store(low_ptr + (plane * size)[:, None] + q[None, :], ll * _R3, mask=ok & (q < low_size)[None, :])
+    tl.store(low_ptr + plane * size + q, ll * _R3, mask=ok & (q < low_size))
     z0, z1, z2, z3, z4, z5, z6, z7 = _haar_conv3d(src, w_ptr + c * 8 * K * K * K, qz, qy, qx, ok, D, H, W, K, 1)
-    _store_bands3d(z_ptr + (plane * 8 * size)[:, None] + q[None, :], size, z0, z1, z2, z3, z4, z5, z6, z7, ok)
+    _store_bands3d(z_ptr + plane * 8 * size + q, size, z0, z1, z2, z3, z4, z5, z6, z7, ok)
 
 
 @triton.jit
@@ -127,23 +116,19 @@ def _wtconv3d_fwd_kernel(
     W1,
     LEVELS: tl.constexpr,
     K: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """The output, one 2 x 2 x 2 block per level-1 position (see the 2D kernel)."""
-    size = D1 * H1 * W1
-    b, c, q = _tile_coords(B, C, tl.cdiv(size, BLOCK_Q), BLOCK_B, BLOCK_Q)
-    ok = (b < B)[:, None] & (q < size)[None, :]
+    c, plane, q, ok = _tile_coords(B, C, D1 * H1 * W1, BLOCK)
     qz, qy, qx = _grid_coords3d(q, H1, W1)
-    plane = (b * C + c).to(tl.int64)
-    xs = x_ptr + (plane * D * H * W)[:, None]
+    xs = x_ptr + plane * D * H * W
     z0, z1, z2, z3, z4, z5, z6, z7 = _haar_conv3d(xs, w1_ptr + c * 8 * K * K * K, qz, qy, qx, ok, D, H, W, K, 1)
     z0 += _coarse_synthesis3d(coarse_ptr, plane, qz, qy, qx, ok, B * C, D, H, W, LEVELS)
     r0, r1, r2, r3, r4, r5, r6, r7 = _butterfly3d(z0, z1, z2, z3, z4, z5, z6, z7)
     a0, a1, a2, a3, a4, a5, a6, a7 = _polyphase_conv3d(xs, wb_ptr + c * K * K * K, qz, qy, qx, ok, D, H, W, K, 1)
     bias = tl.load(bias_ptr + c)
     _store_blocks3d(
-        out_ptr + (plane * D * H * W)[:, None],
+        out_ptr + plane * D * H * W,
         a0 + bias + r0 * _R3,
         a1 + bias + r1 * _R3,
         a2 + bias + r2 * _R3,
@@ -164,15 +149,13 @@ def _wtconv3d_fwd_kernel(
 
 @triton.jit
 def _wtconv3d_level_bwd_kernel(
-    # pointers: the output gradient's low-pass and the raw low-pass at the level's input [B, C, D, H, W]; weights
-    # [C, 8, K**3]; outputs: the level's sub-band gradient [B, C, 8, Dq, Hq, Wq], the output gradient's next low-pass
-    # [B, C, Dq, Hq, Wq] (q < low_size: all or none) and the weight gradient [C, 8, K**3] (added)
+    # pointers: the output gradient's low-pass at the level's input [B, C, D, H, W]; weights [C, 8, K**3]; outputs:
+    # the level's sub-band gradient [B, C, 8, Dq, Hq, Wq] and the output gradient's next low-pass [B, C, Dq, Hq, Wq]
+    # (q < low_size: all or none)
     dsrc_ptr,
-    src_ptr,
     w_ptr,
     dz_ptr,
     dlow_ptr,
-    dw_ptr,
     # sizes
     B,
     C,
@@ -184,39 +167,28 @@ def _wtconv3d_level_bwd_kernel(
     Wq,
     low_size,
     K: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """Backward of one Haar level (2 and deeper); see the 2D kernel."""
+    """Backward of one Haar level (2 and deeper): the gradient of its sub-bands; see the 2D kernel."""
     size = Dq * Hq * Wq
-    b, c, q = _tile_coords(B, C, tl.cdiv(size, BLOCK_Q), BLOCK_B, BLOCK_Q)
-    ok = (b < B)[:, None] & (q < size)[None, :]
+    c, plane, q, ok = _tile_coords(B, C, size, BLOCK)
     qz, qy, qx = _grid_coords3d(q, Hq, Wq)
-    plane = (b * C + c).to(tl.int64)
-    dsrc = dsrc_ptr + (plane * D * H * W)[:, None]
-    g0, g1, g2, g3, g4, g5, g6, g7 = _haar_block3d(dsrc, 2 * qz, 2 * qy, 2 * qx, ok, D, H, W)
-    tl.store(dlow_ptr + (plane * size)[:, None] + q[None, :], g0 * _R3, mask=ok & (q < low_size)[None, :])
-    _haar_corr3d(
-        src_ptr + (plane * D * H * W)[:, None], g0, g1, g2, g3, g4, g5, g6, g7, dw_ptr + c * 8 * K * K * K,
-        qz, qy, qx, ok, D, H, W, K,
-    )  # fmt: skip
+    dsrc = dsrc_ptr + plane * D * H * W
+    ll, _, _, _, _, _, _, _ = _haar_block3d(dsrc, 2 * qz, 2 * qy, 2 * qx, ok, D, H, W)
+    tl.store(dlow_ptr + plane * size + q, ll * _R3, mask=ok & (q < low_size))
     e0, e1, e2, e3, e4, e5, e6, e7 = _haar_conv3d(dsrc, w_ptr + c * 8 * K * K * K, qz, qy, qx, ok, D, H, W, K, -1)
-    _store_bands3d(dz_ptr + (plane * 8 * size)[:, None] + q[None, :], size, e0, e1, e2, e3, e4, e5, e6, e7, ok)
+    _store_bands3d(dz_ptr + plane * 8 * size + q, size, e0, e1, e2, e3, e4, e5, e6, e7, ok)
 
 
 @triton.jit
 def _wtconv3d_bwd_kernel(
-    # pointers: output gradient, x and input gradient [B, C, D, H, W]; base weights [C, K**3]; level-1 weights
-    # [C, 8, K**3]; the sub-band gradients of levels 2..LEVELS one after the other; weight and bias gradients
+    # pointers: output gradient and input gradient [B, C, D, H, W]; base weights [C, K**3]; level-1 weights
+    # [C, 8, K**3]; the sub-band gradients of levels 2..LEVELS one after the other
     dy_ptr,
-    x_ptr,
     wb_ptr,
     w1_ptr,
     coarse_ptr,
     dx_ptr,
-    dwb_ptr,
-    dbias_ptr,
-    dw1_ptr,
     # sizes
     B,
     C,
@@ -228,38 +200,18 @@ def _wtconv3d_bwd_kernel(
     W1,
     LEVELS: tl.constexpr,
     K: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """Backward of the base conv and level 1, and the input gradient; see the 2D kernel."""
-    size = D1 * H1 * W1
-    b, c, q = _tile_coords(B, C, tl.cdiv(size, BLOCK_Q), BLOCK_B, BLOCK_Q)
-    ok = (b < B)[:, None] & (q < size)[None, :]
+    """The input gradient, one 2 x 2 x 2 block per level-1 position; see the 2D kernel."""
+    c, plane, q, ok = _tile_coords(B, C, D1 * H1 * W1, BLOCK)
     qz, qy, qx = _grid_coords3d(q, H1, W1)
-    plane = (b * C + c).to(tl.int64)
-    dys = dy_ptr + (plane * D * H * W)[:, None]
-    xs = x_ptr + (plane * D * H * W)[:, None]
-    p0, ok0 = _slice3d(dys, 2 * qz, ok, D, H * W)
-    p1, ok1 = _slice3d(dys, 2 * qz + 1, ok, D, H * W)
-    g0 = _load2d(p0, 2 * qy, 2 * qx, ok0, H, W)
-    g1 = _load2d(p0, 2 * qy, 2 * qx + 1, ok0, H, W)
-    g2 = _load2d(p0, 2 * qy + 1, 2 * qx, ok0, H, W)
-    g3 = _load2d(p0, 2 * qy + 1, 2 * qx + 1, ok0, H, W)
-    g4 = _load2d(p1, 2 * qy, 2 * qx, ok1, H, W)
-    g5 = _load2d(p1, 2 * qy, 2 * qx + 1, ok1, H, W)
-    g6 = _load2d(p1, 2 * qy + 1, 2 * qx, ok1, H, W)
-    g7 = _load2d(p1, 2 * qy + 1, 2 * qx + 1, ok1, H, W)
-    tl.atomic_add(dbias_ptr + c, _tile_sum(g0 + g1 + g2 + g3 + g4 + g5 + g6 + g7), sem="relaxed")
-    _polyphase_corr3d(xs, g0, g1, g2, g3, g4, g5, g6, g7, dwb_ptr + c * K * K * K, qz, qy, qx, ok, D, H, W, K)
-    h0, h1, h2, h3, h4, h5, h6, h7 = _butterfly3d(g0, g1, g2, g3, g4, g5, g6, g7)
-    _haar_corr3d(xs, h0, h1, h2, h3, h4, h5, h6, h7, dw1_ptr + c * 8 * K * K * K, qz, qy, qx, ok, D, H, W, K)
-
+    dys = dy_ptr + plane * D * H * W
     e0, e1, e2, e3, e4, e5, e6, e7 = _haar_conv3d(dys, w1_ptr + c * 8 * K * K * K, qz, qy, qx, ok, D, H, W, K, -1)
     e0 += _coarse_synthesis3d(coarse_ptr, plane, qz, qy, qx, ok, B * C, D, H, W, LEVELS)
     r0, r1, r2, r3, r4, r5, r6, r7 = _butterfly3d(e0, e1, e2, e3, e4, e5, e6, e7)
     a0, a1, a2, a3, a4, a5, a6, a7 = _polyphase_conv3d(dys, wb_ptr + c * K * K * K, qz, qy, qx, ok, D, H, W, K, -1)
     _store_blocks3d(
-        dx_ptr + (plane * D * H * W)[:, None],
+        dx_ptr + plane * D * H * W,
         a0 + r0 * _R3,
         a1 + r1 * _R3,
         a2 + r2 * _R3,
@@ -276,3 +228,97 @@ def _wtconv3d_bwd_kernel(
         H,
         W,
     )
+
+
+@triton.jit
+def _wtconv3d_wgrad_kernel(
+    # pointers: at one level's input, the output gradient's low-pass (dy for level 1) and the raw low-pass (x for
+    # level 1) [B, C, D, H, W]; outputs, partial sums over this program's share of the positions: the level's weight
+    # gradient [SPLIT, C, 8, K**3] and, with BASE, the base weights' [SPLIT, C, K**3] and the bias's [SPLIT, C]
+    g_ptr,
+    src_ptr,
+    dw_ptr,
+    dwb_ptr,
+    dbias_ptr,
+    # sizes
+    B,
+    C,
+    D,
+    H,
+    W,
+    Dq,
+    Hq,
+    Wq,
+    K: tl.constexpr,
+    BASE: tl.constexpr,
+    TAPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Weight gradients for one channel, one z tap and one share of the positions; see the 2D kernel (the tile's tap
+    axis holds the K x K in-plane taps, the z taps are programs)."""
+    P: tl.constexpr = K // 2
+    KK: tl.constexpr = K * K
+    KKK: tl.constexpr = K * K * K
+    tz = tl.program_id(0) % K
+    c = tl.program_id(0) // K % C
+    share = tl.program_id(0) // (K * C)
+    shares = tl.num_programs(0) // (K * C)
+    t = tl.arange(0, TAPS)
+    uy = (t // K - P)[:, None]
+    ux = (t % K - P)[:, None]
+    tap_ok = (t < KK)[:, None]
+    acc0 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc1 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc2 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc3 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc4 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc5 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc6 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc7 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc_base = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc_bias = tl.zeros([1, BLOCK], tl.float32)
+    Q = Dq * Hq * Wq
+    for start in range(share * BLOCK, B * Q, shares * BLOCK):
+        n = start + tl.arange(0, BLOCK)[None, :]
+        ok = n < B * Q
+        qz, qy, qx = _grid_coords3d(n % Q, Hq, Wq)
+        plane = (n // Q * C + c).to(tl.int64) * D * H * W
+        gs = g_ptr + plane
+        p0, ok0 = _slice3d(gs, 2 * qz, ok, D, H * W)
+        p1, ok1 = _slice3d(gs, 2 * qz + 1, ok, D, H * W)
+        g0, g1, g2, g3 = _block2d(p0, 2 * qy, 2 * qx, ok0, H, W)
+        g4, g5, g6, g7 = _block2d(p1, 2 * qy, 2 * qx, ok1, H, W)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _butterfly3d(g0, g1, g2, g3, g4, g5, g6, g7)
+        src = src_ptr + plane
+        u0, u1, u2, u3, u4, u5, u6, u7 = _haar_block3d(
+            src, 2 * (qz + tz - P), 2 * (qy + uy), 2 * (qx + ux), ok & tap_ok, D, H, W
+        )
+        acc0 += d0 * u0
+        acc1 += d1 * u1
+        acc2 += d2 * u2
+        acc3 += d3 * u3
+        acc4 += d4 * u4
+        acc5 += d5 * u5
+        acc6 += d6 * u6
+        acc7 += d7 * u7
+        if BASE:
+            s0, oks0 = _slice3d(src, 2 * qz + tz - P, ok & tap_ok, D, H * W)
+            a0, a1, a2, a3 = _block2d(s0, 2 * qy + uy, 2 * qx + ux, oks0, H, W)
+            s1, oks1 = _slice3d(src, 2 * qz + 1 + tz - P, ok & tap_ok, D, H * W)
+            a4, a5, a6, a7 = _block2d(s1, 2 * qy + uy, 2 * qx + ux, oks1, H, W)
+            acc_base += g0 * a0 + g1 * a1 + g2 * a2 + g3 * a3 + g4 * a4 + g5 * a5 + g6 * a6 + g7 * a7
+            acc_bias += g0 + g1 + g2 + g3 + g4 + g5 + g6 + g7
+    out = share * C + c
+    t_ok = t < KK
+    dw = dw_ptr + out * 8 * KKK + tz * KK + t
+    tl.store(dw, tl.sum(acc0, axis=1), mask=t_ok)
+    tl.store(dw + KKK, tl.sum(acc1, axis=1), mask=t_ok)
+    tl.store(dw + 2 * KKK, tl.sum(acc2, axis=1), mask=t_ok)
+    tl.store(dw + 3 * KKK, tl.sum(acc3, axis=1), mask=t_ok)
+    tl.store(dw + 4 * KKK, tl.sum(acc4, axis=1), mask=t_ok)
+    tl.store(dw + 5 * KKK, tl.sum(acc5, axis=1), mask=t_ok)
+    tl.store(dw + 6 * KKK, tl.sum(acc6, axis=1), mask=t_ok)
+    tl.store(dw + 7 * KKK, tl.sum(acc7, axis=1), mask=t_ok)
+    if BASE:
+        tl.store(dwb_ptr + out * KKK + tz * KK + t, tl.sum(acc_base, axis=1), mask=t_ok)
+        tl.store(dbias_ptr + out, tl.sum(tl.sum(acc_bias, axis=1), axis=0), mask=tz == 0)
