@@ -230,8 +230,9 @@ def demo_pair(seed: int = DEMO_SEED) -> DemoPair:
     return make_pair(template, aal_labels(template.grid), seed)
 
 
-def _level_printer(start: float):
-    """A progress callback that prints one line per finished pyramid level (the last iteration it reported)."""
+def _level_printer(start: float) -> tuple[Callable[[Progress], None], Callable[[], None]]:
+    """A progress callback that prints one line per finished pyramid level (from the last iteration reported), and
+    the function that prints the last level's line."""
     last: list[Progress] = []
 
     def flush() -> None:
@@ -240,7 +241,7 @@ def _level_printer(start: float):
             cells = f", {'x'.join(map(str, p.cells))} cells" if p.cells else ""
             print(
                 f"  stage {p.stage + 1}/{p.n_stages} {p.kind:<6} level {p.level + 1}/{p.n_levels}{cells}: "
-                f"{p.iteration} iterations, similarity {p.similarity:.4f} ({time.perf_counter() - start:.1f} s)",
+                f"{p.iteration} iterations, loss {p.similarity:.4f} ({time.perf_counter() - start:.1f} s)",
                 flush=True,
             )
 
