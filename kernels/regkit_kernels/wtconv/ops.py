@@ -68,7 +68,9 @@ class _Kernels:
     wgrad_block: int  # positions per step of the weight-gradient kernels (times the in-plane taps)
 
 
-# One table picks the 2D or 3D kernels. Block sizes: see docs/wtconv_notes.md.
+# One table picks the 2D or 3D kernels. Block sizes: the best of a small sweep on an H200 (docs/wtconv_notes.md); the
+# weight-gradient kernels are latency-bound, and their smaller tiles (fewer registers, more warps) won by 15% (2D) and
+# 10% (3D) on the largest shapes.
 _KERNELS = {
     2: _Kernels(
         _haar_lowpass2d_kernel,
@@ -78,7 +80,7 @@ _KERNELS = {
         _wtconv2d_bwd_kernel,
         _wtconv2d_wgrad_kernel,
         256,
-        32,
+        16,
     ),
     3: _Kernels(
         _haar_lowpass3d_kernel,
@@ -88,7 +90,7 @@ _KERNELS = {
         _wtconv3d_bwd_kernel,
         _wtconv3d_wgrad_kernel,
         256,
-        16,
+        8,
     ),
 }
 _NUM_WARPS = 4
