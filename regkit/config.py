@@ -232,7 +232,13 @@ class OptimizerConfig(_Model):
     """The gradient-based optimizer run at each pyramid level, with early stopping on a stalled loss."""
 
     name: Literal["adam", "lbfgs"] = Field(default="adam", description="Optimizer: adam or lbfgs.")
-    learning_rate: float = Field(default=0.01, gt=0, description="Step size (adam) or initial step length (lbfgs).")
+    learning_rate: float = Field(
+        default=0.05,
+        gt=0,
+        description="Step size (adam) or initial step length (lbfgs), in the stage's parameter units: millimetres for "
+        "rigid and affine stages (about 0.5 suits brain images), prior standard deviations for CPAB stages (whitened "
+        "coordinates; about 0.05).",
+    )
     iterations: IntOrInts = Field(
         default=100,
         description="Maximum iterations per pyramid level: one int for every level, or a list with one per level.",
