@@ -1,0 +1,214 @@
+"""Triton kernels of the CPAB expm-step scheme: forward with checkpoints, and the fused factorized adjoint.
+
+The scheme and its per-point arithmetic are those of ``regkit.cpab.integrate`` (the spec): ``T`` steps
+``x <- E_c [x; 1]`` with ``c`` found by the closed-form lookup of ``regkit.cpab.tessellation.Tessellation.locate``,
+component ``i`` evaluated as ``((E_i0 x_0 + E_i1 x_1) [+ E_i2 x_2]) + e_i``. The launchers compile these kernels with
+floating-point contraction off, so every product and sum is rounded as in PyTorch and the visited cells are the same.
+
+Every program owns ``BLOCK`` points of one batch element (``program_id(1)``) and keeps them in registers through all
+steps. ``geom_ptr`` holds, in the working dtype, the box's ``lower`` (NDIM values), ``extent = upper - lower`` (NDIM)
+and the per-axis box counts (NDIM), rounded exactly as ``locate`` rounds them. ``e_ptr`` is the step-matrix table
+``E (B, C, NDIM, NDIM + 1)``, contiguous. Checkpoint ``s`` is the position after ``s K`` steps, ``S = ceil(T / K)``.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _axis(x, geom_ptr, axis: tl.constexpr, NDIM: tl.constexpr):
+    """Box index (int32) and clamped in-box coordinate along one axis, exactly as ``Tessellation.locate``."""
+    lower = tl.load(geom_ptr + axis)
+    extent = tl.load(geom_ptr + NDIM + axis)
+    count = tl.load(geom_ptr + 2 * NDIM + axis)
+    if x.dtype == tl.float32:
+        u = tl.math.div_rn(x - lower, extent)
+    else:
+        u = (x - lower) / extent
+    u = tl.where(u != u, 0.0, u)  # NaN -> lower
+    u = tl.minimum(tl.maximum(u, 0.0), 1.0) * count
+    box = tl.minimum(tl.floor(u), count - 1.0)  # x == upper belongs to the last box
+    local = tl.minimum(tl.maximum(u - box, 0.0), 1.0)
+    return box.to(tl.int32), local
+
+
+@triton.jit
+def _locate(x0, x1, x2, geom_ptr, NX, NY, NDIM: tl.constexpr):
+    """Cell ids (int32) of the points; ``x2`` is ignored in 2D. Numbering as ``Tessellation.locate``."""
+    bx, lx = _axis(x0, geom_ptr, 0, NDIM)
+    by, ly = _axis(x1, geom_ptr, 1, NDIM)
+    if NDIM == 2:
+        above_main = ly > lx
+        above_anti = ly > 1.0 - lx
+        cell = 2 * above_main.to(tl.int32) + (above_main != above_anti).to(tl.int32)
+        return 4 * (bx + NX * by) + cell
+    else:
+        bz, lz = _axis(x2, geom_ptr, 2, NDIM)
+        odd = ((bx + by + bz) % 2) == 1
+        lx = tl.where(odd, 1.0 - lx, lx)
+        cell = (
+            (lx - ly - lz > 0).to(tl.int32)
+            + 2 * (ly - lx - lz > 0).to(tl.int32)
+            + 3 * (lz - lx - ly > 0).to(tl.int32)
+            + 4 * (lx + ly + lz > 2).to(tl.int32)
+        )
+        return 5 * (bx + NX * (by + NY * bz)) + cell
+
+
+@triton.jit
+def _row(e_ptr, x0, x1, x2, ok, NDIM: tl.constexpr):
+    """``E_i [x; 1]`` for one row ``e_ptr -> E_i`` per point, in the spec's order."""
+    if NDIM == 2:
+        y = tl.load(e_ptr, mask=ok, other=0.0) * x0 + tl.load(e_ptr + 1, mask=ok, other=0.0) * x1
+        return y + tl.load(e_ptr + 2, mask=ok, other=0.0)
+    else:
+        y = tl.load(e_ptr, mask=ok, other=0.0) * x0 + tl.load(e_ptr + 1, mask=ok, other=0.0) * x1
+        y = y + tl.load(e_ptr + 2, mask=ok, other=0.0) * x2
+        return y + tl.load(e_ptr + 3, mask=ok, other=0.0)
+
+
+@triton.jit
+def _step(e_batch, x0, x1, x2, ok, geom_ptr, NX, NY, NDIM: tl.constexpr):
+    """One scheme step: the new points and the cells the step used."""
+    M: tl.constexpr = NDIM * (NDIM + 1)
+    cell = _locate(x0, x1, x2, geom_ptr, NX, NY, NDIM)
+    e = e_batch + cell.to(tl.int64) * M
+    y0 = _row(e, x0, x1, x2, ok, NDIM)
+    y1 = _row(e + (NDIM + 1), x0, x1, x2, ok, NDIM)
+    if NDIM == 3:
+        x2 = _row(e + 2 * (NDIM + 1), x0, x1, x2, ok, NDIM)
+    return y0, y1, x2, cell
+
+
+@triton.jit
+def _load_points(ptr, idx, ok, NDIM: tl.constexpr):
+    x0 = tl.load(ptr + idx * NDIM, mask=ok, other=0.0)
+    x1 = tl.load(ptr + idx * NDIM + 1, mask=ok, other=0.0)
+    if NDIM == 3:
+        x2 = tl.load(ptr + idx * NDIM + 2, mask=ok, other=0.0)
+    else:
+        x2 = x0
+    return x0, x1, x2
+
+
+@triton.jit
+def _store_points(ptr, idx, x0, x1, x2, ok, NDIM: tl.constexpr):
+    tl.store(ptr + idx * NDIM, x0, mask=ok)
+    tl.store(ptr + idx * NDIM + 1, x1, mask=ok)
+    if NDIM == 3:
+        tl.store(ptr + idx * NDIM + 2, x2, mask=ok)
+
+
+@triton.jit
+def _cpab_fwd_kernel(
+    x_ptr, x_batch_stride, e_ptr, geom_ptr, out_ptr, ckpt_ptr, B, N, C, NX, NY, T, K, NDIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``out (B, N, NDIM)`` = the points after ``T`` steps; ``ckpt (S, B, N, NDIM)`` = the positions after 0, K, 2K, ...
+    steps. ``x_ptr`` rows are contiguous, ``x_batch_stride`` apart (0 for points shared by the batch)."""
+    b = tl.program_id(1).to(tl.int64)
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < N
+    x0, x1, x2 = _load_points(x_ptr + b * x_batch_stride, idx, ok, NDIM)
+    e_batch = e_ptr + b * C * (NDIM * (NDIM + 1))
+    S = tl.cdiv(T, K)
+    for seg in range(S):
+        _store_points(ckpt_ptr + (seg * B + b) * N * NDIM, idx, x0, x1, x2, ok, NDIM)
+        for _ in range(tl.minimum(K, T - seg * K)):
+            x0, x1, x2, _cell = _step(e_batch, x0, x1, x2, ok, geom_ptr, NX, NY, NDIM)
+    _store_points(out_ptr + b * N * NDIM, idx, x0, x1, x2, ok, NDIM)
+
+
+@triton.jit
+def _flush(mom_ptr, cell, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM: tl.constexpr):
+    """Add the accumulated moment rows of ``cell`` (row-major ``n x (n + 1)``) to the table where ``changed``."""
+    M: tl.constexpr = NDIM * (NDIM + 1)
+    p = mom_ptr + cell.to(tl.int64) * M
+    m = ok & changed & (cell >= 0)
+    tl.atomic_add(p, a0, mask=m, sem="relaxed")
+    tl.atomic_add(p + 1, a1, mask=m, sem="relaxed")
+    tl.atomic_add(p + 2, a2, mask=m, sem="relaxed")
+    tl.atomic_add(p + 3, a3, mask=m, sem="relaxed")
+    tl.atomic_add(p + 4, a4, mask=m, sem="relaxed")
+    tl.atomic_add(p + 5, a5, mask=m, sem="relaxed")
+    if NDIM == 3:
+        tl.atomic_add(p + 6, a6, mask=m, sem="relaxed")
+        tl.atomic_add(p + 7, a7, mask=m, sem="relaxed")
+        tl.atomic_add(p + 8, a8, mask=m, sem="relaxed")
+        tl.atomic_add(p + 9, a9, mask=m, sem="relaxed")
+        tl.atomic_add(p + 10, a10, mask=m, sem="relaxed")
+        tl.atomic_add(p + 11, a11, mask=m, sem="relaxed")
+
+
+@triton.jit
+def _cpab_bwd_kernel(
+    ckpt_ptr, g_ptr, e_ptr, geom_ptr, gx_ptr, mom_ptr, B, N, C, NX, NY, T, K, NDIM: tl.constexpr,
+    MOMENTS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The adjoint sweep: ``lambda_T = g``, then for ``s = T - 1 .. 0`` (``x_s`` recomputed from its segment's
+    checkpoint, bit-identical to the forward, so the same cell ``c_s``): ``dL/dE_{c_s} += lambda_{s+1} [x_s; 1]^T``
+    and ``lambda_s = E_lin(c_s)^T lambda_{s+1}``. Writes ``gx = lambda_0 (B, N, NDIM)`` and, when ``MOMENTS``, adds
+    into ``mom (B, C, NDIM, NDIM + 1)`` (zeroed by the caller). A point's moment is accumulated in registers while it
+    stays in one cell and added to the table (one atomic per entry) when its cell changes, and once at the end.
+
+    Each step ``s`` of a segment is recomputed from the checkpoint (``O(K^2)`` steps per segment of ``K``)."""
+    M: tl.constexpr = NDIM * (NDIM + 1)
+    b = tl.program_id(1).to(tl.int64)
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < N
+    l0, l1, l2 = _load_points(g_ptr + b * N * NDIM, idx, ok, NDIM)
+    e_batch = e_ptr + b * C * M
+    mom_batch = mom_ptr + b * C * M
+    zero = tl.zeros([BLOCK], dtype=l0.dtype)
+    a0, a1, a2, a3, a4, a5 = zero, zero, zero, zero, zero, zero
+    a6, a7, a8, a9, a10, a11 = zero, zero, zero, zero, zero, zero
+    current = tl.full([BLOCK], -1, tl.int32)
+    S = tl.cdiv(T, K)
+    for i in range(S):
+        seg = S - 1 - i
+        length = tl.minimum(K, T - seg * K)
+        for j in range(length):
+            x0, x1, x2 = _load_points(ckpt_ptr + (seg * B + b) * N * NDIM, idx, ok, NDIM)
+            for _ in range(length - 1 - j):
+                x0, x1, x2, _cell = _step(e_batch, x0, x1, x2, ok, geom_ptr, NX, NY, NDIM)
+            cell = _locate(x0, x1, x2, geom_ptr, NX, NY, NDIM)
+            e = e_batch + cell.to(tl.int64) * M
+            if MOMENTS:
+                changed = cell != current
+                _flush(mom_batch, current, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM)
+                current = cell
+                if NDIM == 2:
+                    a0 = tl.where(changed, zero, a0) + l0 * x0
+                    a1 = tl.where(changed, zero, a1) + l0 * x1
+                    a2 = tl.where(changed, zero, a2) + l0
+                    a3 = tl.where(changed, zero, a3) + l1 * x0
+                    a4 = tl.where(changed, zero, a4) + l1 * x1
+                    a5 = tl.where(changed, zero, a5) + l1
+                else:
+                    a0 = tl.where(changed, zero, a0) + l0 * x0
+                    a1 = tl.where(changed, zero, a1) + l0 * x1
+                    a2 = tl.where(changed, zero, a2) + l0 * x2
+                    a3 = tl.where(changed, zero, a3) + l0
+                    a4 = tl.where(changed, zero, a4) + l1 * x0
+                    a5 = tl.where(changed, zero, a5) + l1 * x1
+                    a6 = tl.where(changed, zero, a6) + l1 * x2
+                    a7 = tl.where(changed, zero, a7) + l1
+                    a8 = tl.where(changed, zero, a8) + l2 * x0
+                    a9 = tl.where(changed, zero, a9) + l2 * x1
+                    a10 = tl.where(changed, zero, a10) + l2 * x2
+                    a11 = tl.where(changed, zero, a11) + l2
+            if NDIM == 2:
+                n0 = tl.load(e, mask=ok, other=0.0) * l0 + tl.load(e + 3, mask=ok, other=0.0) * l1
+                n1 = tl.load(e + 1, mask=ok, other=0.0) * l0 + tl.load(e + 4, mask=ok, other=0.0) * l1
+                l0, l1 = n0, n1
+            else:
+                n0 = tl.load(e, mask=ok, other=0.0) * l0 + tl.load(e + 4, mask=ok, other=0.0) * l1
+                n0 = n0 + tl.load(e + 8, mask=ok, other=0.0) * l2
+                n1 = tl.load(e + 1, mask=ok, other=0.0) * l0 + tl.load(e + 5, mask=ok, other=0.0) * l1
+                n1 = n1 + tl.load(e + 9, mask=ok, other=0.0) * l2
+                n2 = tl.load(e + 2, mask=ok, other=0.0) * l0 + tl.load(e + 6, mask=ok, other=0.0) * l1
+                n2 = n2 + tl.load(e + 10, mask=ok, other=0.0) * l2
+                l0, l1, l2 = n0, n1, n2
+    if MOMENTS:
+        _flush(mom_batch, current, current >= 0, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM)
+    _store_points(gx_ptr + b * N * NDIM, idx, l0, l1, l2, ok, NDIM)

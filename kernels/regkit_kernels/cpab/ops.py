@@ -1,0 +1,142 @@
+"""Fused CPAB integration: launchers, the autograd Function and the functional entry point.
+
+The Function works on the step-matrix table ``E (B, C, n, n + 1)`` (``regkit.cpab.integrate.step_matrices``), not on
+``A``: this package depends only on torch and triton, so the caller computes ``E`` from ``A`` in PyTorch and autograd
+carries ``dL/dE`` (the per-cell moments written by the backward kernel) through the matrix exponential to ``A``.
+``tess`` is any object with ``shape`` (per-axis box counts, x first), ``lower`` and ``upper`` (``regkit``'s
+``Tessellation``); the cell numbering is that of ``Tessellation.locate``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+import triton
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from regkit_kernels.cpab.kernels import _cpab_bwd_kernel, _cpab_fwd_kernel
+
+_BLOCK = 128  # points per program on the GPU (one per thread with 4 warps)
+_NUM_WARPS = 4
+_INTERPRETER_BLOCK = 1 << 12  # under TRITON_INTERPRET=1 every program costs Python overhead: few, large ones
+_DTYPES = (torch.float32, torch.float64)
+
+
+class Box(Protocol):
+    """The tessellation geometry the kernels need (``regkit.cpab.tessellation.Tessellation`` satisfies it)."""
+
+    shape: tuple[int, ...]
+    lower: Sequence[float]
+    upper: Sequence[float]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _geometry(tess: Box, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``[lower, upper - lower, shape]`` in ``dtype``, rounded exactly as ``Tessellation.locate`` rounds them."""
+    lower = torch.tensor(tess.lower, dtype=dtype, device=device)
+    extent = torch.tensor(tess.upper, dtype=dtype, device=device) - lower
+    counts = torch.tensor(tess.shape, dtype=dtype, device=device)
+    return torch.cat([lower, extent, counts])
+
+
+def _check(points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: int) -> None:
+    n = len(tess.shape)
+    cells = (4 if n == 2 else 5) * math.prod(tess.shape)
+    if n not in (2, 3) or points.ndim != 3 or points.shape[-1] != n:
+        raise ValueError(f"points must be (B, N, n) with n = {n} in (2, 3), got {tuple(points.shape)}")
+    if E.shape != (points.shape[0], cells, n, n + 1):
+        raise ValueError(f"E must be ({points.shape[0]}, {cells}, {n}, {n + 1}), got {tuple(E.shape)}")
+    if points.dtype not in _DTYPES or E.dtype != points.dtype or E.device != points.device:
+        raise ValueError(f"points and E must share a float32/float64 dtype and a device, got {points.dtype}, {E.dtype}")
+    if points.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the fused CPAB kernels need CUDA tensors (or TRITON_INTERPRET=1 with CPU tensors)")
+    if steps < 1 or checkpoint_every < 1:
+        raise ValueError(f"steps and checkpoint_every must be positive, got {steps} and {checkpoint_every}")
+
+
+def _launch_args(points: Tensor, tess: Box) -> tuple[tuple[int, int], int, int, int]:
+    """Grid, block, and the x / y box counts."""
+    B, N, _ = points.shape
+    block = min(_INTERPRETER_BLOCK, _pow2(N)) if points.device.type == "cpu" else _BLOCK
+    return (triton.cdiv(N, block), B), block, tess.shape[0], tess.shape[1]
+
+
+def cpab_fwd(points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: int) -> tuple[Tensor, Tensor]:
+    """The expm-step scheme for ``steps`` steps with step matrices ``E (B, C, n, n + 1)`` from ``points (B, N, n)``
+    (domain coordinates; the batch dimension may be a stride-0 broadcast). Returns the end points ``(B, N, n)`` and the
+    checkpoints ``(S, B, N, n)``: the positions after ``0, K, 2K, ...`` steps, ``S = ceil(steps / K)``."""
+    _check(points, E, tess, steps, checkpoint_every)
+    B, N, n = points.shape
+    if points.stride(-1) != 1 or points.stride(-2) != n:
+        points = points.contiguous()
+    E = E.contiguous()
+    out = points.new_empty((B, N, n))
+    checkpoints = points.new_empty((-(-steps // checkpoint_every), B, N, n))
+    grid, block, nx, ny = _launch_args(points, tess)
+    _cpab_fwd_kernel[grid](
+        points, points.stride(0), E, _geometry(tess, points.dtype, points.device), out, checkpoints,
+        B, N, E.shape[1], nx, ny, steps, checkpoint_every,
+        NDIM=n, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out, checkpoints
+
+
+def cpab_bwd(
+    checkpoints: Tensor, grad_out: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: int, moments: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The fused factorized adjoint for ``grad_out = dL/dx_T (B, N, n)``: returns ``dL/dpoints (B, N, n)`` and, when
+    ``moments``, ``dL/dE (B, C, n, n + 1)`` (the per-cell moments ``sum lambda_{s+1} [x_s; 1]^T``; float atomics, so
+    the summation order varies between runs)."""
+    B, N, n = grad_out.shape
+    grad_out = grad_out.contiguous()
+    E = E.contiguous()
+    grad_points = torch.empty_like(grad_out)
+    grad_E = torch.zeros_like(E) if moments else E.new_zeros(1)
+    grid, block, nx, ny = _launch_args(grad_out, tess)
+    _cpab_bwd_kernel[grid](
+        checkpoints, grad_out, E, _geometry(tess, E.dtype, E.device), grad_points, grad_E,
+        B, N, E.shape[1], nx, ny, steps, checkpoint_every,
+        NDIM=n, MOMENTS=moments, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
+    )  # fmt: skip
+    return grad_points, (grad_E if moments else None)
+
+
+class CPABIntegrateTriton(torch.autograd.Function):
+    """The expm-step scheme with the fused factorized adjoint, on the step-matrix table.
+
+    ``CPABIntegrateTriton.apply(points (B, N, n), E (B, C, n, n + 1), tess, steps, checkpoint_every) -> (B, N, n)``,
+    domain coordinates. Same values and gradients as ``regkit.cpab.integrate.CPABIntegrate`` given
+    ``E = step_matrices(A, t / steps)``: the gradients differentiate the discrete scheme with the visited cells fixed;
+    ``dL/dE`` is the per-cell moment table, which autograd of ``step_matrices`` turns into ``dL/dA``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: int) -> Tensor:
+        out, checkpoints = cpab_fwd(points, E, tess, steps, checkpoint_every)
+        ctx.save_for_backward(E, checkpoints)
+        ctx.tess, ctx.steps, ctx.checkpoint_every = tess, steps, checkpoint_every
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        need_points, need_E = ctx.needs_input_grad[:2]
+        if not (need_points or need_E):
+            return None, None, None, None, None
+        E, checkpoints = ctx.saved_tensors
+        grad_points, grad_E = cpab_bwd(checkpoints, grad_out, E, ctx.tess, ctx.steps, ctx.checkpoint_every, need_E)
+        return (grad_points if need_points else None), grad_E, None, None, None
+
+
+def cpab_integrate(points: Tensor, E: Tensor, tess: Box, *, steps: int, checkpoint_every: int) -> Tensor:
+    """Integrate ``points (B, N, n)`` (domain coordinates) for ``steps`` expm steps with the step matrices
+    ``E (B, C, n, n + 1)`` of ``tess``; differentiable with respect to both (:class:`CPABIntegrateTriton`)."""
+    return CPABIntegrateTriton.apply(points, E, tess, int(steps), int(checkpoint_every))

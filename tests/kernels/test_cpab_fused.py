@@ -1,0 +1,144 @@
+"""Fused CPAB kernels against the PyTorch paths: end points and checkpoints bit-equal to the reference scheme (hence
+the same visited cells), point and theta gradients equal to the factorized PyTorch adjoint's, 2D and 3D, float32 and
+float64, every boundary mode, batches, points on vertices, facets and outside the domain.
+
+On CPU the kernels run in Triton's interpreter (slow): tiny tessellations, a few hundred points, T <= 10, one program
+per batch element. The ``gpu`` cases run realistic sizes (set REGKIT_TEST_CUDA=1 so that the conftest leaves the
+interpreter off).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from regkit.cpab.basis import BOUNDARY_MODES, cpa_basis
+from regkit.cpab.integrate import integrate, integrate_reference, integrate_trajectory, step_matrices
+from regkit.cpab.tessellation import Tessellation
+from regkit_kernels.cpab import cpab_fwd
+
+# (shape, lower, upper): unit boxes and odd, anisotropic boxes.
+_TESSELLATIONS = {
+    2: [((2, 2), None, None), ((3, 2), (-1.0, 0.5), (2.0, 1.25))],
+    3: [((2, 2, 2), None, None), ((1, 2, 3), (-2.0, 0.0, 1.0), (1.0, 0.75, 4.0))],
+}
+# Largest |triton - torch| of a gradient, relative to the largest |torch|.
+_TOL = {torch.float32: 2e-5, torch.float64: 1e-12}
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _points(tess: Tessellation, n_random: int, batch: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """(batch, N, n) domain points: every mesh vertex and facet midpoint (points on shared facets), cell centres, and
+    random points in a box 20% larger than the domain on each side (so some start outside)."""
+    verts = tess.vertices()
+    ids = tess.cell_vertex_ids()
+    pairs = torch.combinations(torch.arange(tess.ndim + 1), 2)
+    midpoints = verts[ids[:, pairs]].mean(dim=2).reshape(-1, tess.ndim)
+    special = torch.cat([verts, midpoints, tess.centers()])
+    lower = torch.tensor(tess.lower, dtype=torch.float64)
+    upper = torch.tensor(tess.upper, dtype=torch.float64)
+    random = lower + (upper - lower) * (1.4 * torch.rand(batch, n_random, tess.ndim, dtype=torch.float64) - 0.2)
+    return torch.cat([special.expand(batch, -1, -1), random], dim=1).to(dtype=dtype, device=device)
+
+
+def _case(ndim: int, which: int, boundary: str, dtype: torch.dtype, n_random: int = 200, batch: int = 2):
+    torch.manual_seed(100 * ndim + 10 * which + BOUNDARY_MODES.index(boundary))
+    shape, lower, upper = _TESSELLATIONS[ndim][which]
+    tess = Tessellation(shape, lower, upper)
+    basis = cpa_basis(tess, boundary)
+    scale = max(u - lo for lo, u in zip(tess.lower, tess.upper, strict=True))
+    theta = (2.0 * scale * torch.randn(batch, basis.d, dtype=torch.float64)).to(dtype=dtype, device=_device())
+    return basis, theta, _points(tess, n_random, batch, dtype, _device())
+
+
+def _gradients(points, theta, basis, grad, backend, steps, checkpoint_every):
+    points = points.detach().requires_grad_(True)
+    theta = theta.detach().requires_grad_(True)
+    out = integrate(
+        points, basis.to_A(theta), basis.tess, t=1.0, steps=steps, backend=backend, checkpoint_every=checkpoint_every
+    )
+    return (out, *torch.autograd.grad(out, (points, theta), grad))
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    diff = (got - want).abs()
+    scale = want.abs().max().item()
+    assert diff.max().item() <= _TOL[want.dtype] * scale, (
+        f"{name}: max |triton - torch| = {diff.max().item():.3g}, largest |torch| {scale:.3g}"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("ndim,which", [(2, 0), (2, 1), (3, 0), (3, 1)])
+def test_forward_equals_reference(ndim, which, dtype):
+    """End points and every checkpoint are bit-equal to the reference scheme, so every step used the same cell."""
+    basis, theta, points = _case(ndim, which, "free", dtype)
+    tess = basis.tess
+    steps, every = 10, 3
+    E = step_matrices(basis.to_A(theta), 1.0 / steps)
+    out, checkpoints = cpab_fwd(points, E, tess, steps, every)
+    trajectory = integrate_trajectory(points, basis.to_A(theta), tess, t=1.0, steps=steps)
+    assert (points - trajectory[0]).abs().max() == 0
+    assert torch.equal(out, integrate_reference(points, basis.to_A(theta), tess, t=1.0, steps=steps))
+    assert torch.equal(checkpoints, trajectory[::every][: checkpoints.shape[0]])
+    assert torch.equal(out, trajectory[-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("boundary", BOUNDARY_MODES)
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_gradients_equal_factorized_torch(ndim, boundary, dtype):
+    """Values, dL/dpoints and dL/dtheta of integrate(backend="triton") equal those of backend="torch"."""
+    basis, theta, points = _case(ndim, 1 if boundary == "normal" else 0, boundary, dtype)
+    grad = torch.randn(points.shape, dtype=dtype, device=points.device)
+    want = _gradients(points, theta, basis, grad, "torch", 10, 4)
+    got = _gradients(points, theta, basis, grad, "triton", 10, 4)
+    assert torch.equal(got[0], want[0])
+    _assert_close(got[1], want[1], "dL/dpoints")
+    _assert_close(got[2], want[2], "dL/dtheta")
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_shared_points_and_partial_gradients(ndim):
+    """Unbatched points shared by a batch of theta (a stride-0 batch), segments longer than the run, and each
+    gradient alone."""
+    basis, theta, points = _case(ndim, 1, "free", torch.float64, n_random=100, batch=3)
+    shared = points[0]
+    grad = torch.randn(3, *shared.shape, dtype=torch.float64)
+    want = _gradients(shared, theta, basis, grad, "torch", 5, 8)
+    got = _gradients(shared, theta, basis, grad, "triton", 5, 8)
+    assert torch.equal(got[0], want[0])
+    _assert_close(got[1], want[1], "dL/dpoints")
+    _assert_close(got[2], want[2], "dL/dtheta")
+    A = basis.to_A(theta)
+    p = shared.detach().requires_grad_(True)
+    (only_points,) = torch.autograd.grad(integrate(p, A, basis.tess, steps=5, backend="triton"), p, grad)
+    _assert_close(only_points, want[1], "dL/dpoints alone")
+    th = theta.detach().requires_grad_(True)
+    out = integrate(shared, basis.to_A(th), basis.tess, steps=5, backend="triton")
+    (only_theta,) = torch.autograd.grad(out, th, grad)
+    _assert_close(only_theta, want[2], "dL/dtheta alone")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ndim,shape,batch", [(2, (16, 16), 4), (2, (5, 7), 2), (3, (8, 8, 8), 2), (3, (3, 4, 5), 2)])
+def test_realistic_sizes_gpu(ndim, shape, batch):
+    """Realistic sizes on the GPU: end points equal the reference, gradients equal the torch path's (float32), and two
+    runs give gradients equal up to the reordering of float atomics; every output element is written."""
+    torch.manual_seed(sum(shape))
+    tess = Tessellation(shape, (-1.0,) * ndim, (2.0,) * ndim)
+    basis = cpa_basis(tess, "zero")
+    theta = 3.0 * torch.randn(batch, basis.d, device="cuda")
+    points = _points(tess, 50_000, batch, torch.float32, "cuda")
+    grad = torch.randn(points.shape, device="cuda")
+    want = _gradients(points, theta, basis, grad, "torch", 50, 8)
+    got = _gradients(points, theta, basis, grad, "triton", 50, 8)
+    again = _gradients(points, theta, basis, grad, "triton", 50, 8)
+    assert torch.equal(got[0], want[0])
+    assert all(torch.isfinite(g).all() for g in got)
+    for name, g, w, a in zip(("dL/dpoints", "dL/dtheta"), got[1:], want[1:], again[1:], strict=True):
+        _assert_close(g, w, name)
+        _assert_close(a, g, f"{name} (second run)")
