@@ -28,14 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from regkit._backend import resolve_backend
+from regkit._backend import load_kernels, resolve_backend
 from regkit.cpab.tessellation import Tessellation
 
 if TYPE_CHECKING:
     from regkit.cpab.basis import CPABasis
 
-FACES = ("reference", "torch")
-"""The integration backends offered here; ``"auto"`` picks ``"torch"`` (``regkit._backend.resolve_backend``)."""
+FACES = ("reference", "torch", "triton")
+"""The integration backends offered here; ``"auto"`` picks ``"triton"`` for CUDA tensors when the kernels import, else
+``"torch"`` (``regkit._backend.resolve_backend``)."""
 
 DEFAULT_STEPS = 50
 DEFAULT_CHECKPOINT_EVERY = 8
@@ -365,7 +366,8 @@ def integrate(
 
     ``points (N, n) | (B, N, n)``, ``A (C, n, n + 1) | (B, C, n, n + 1)`` -> ``(B?, N, n)``, domain coordinates.
     ``backend``: ``"reference"`` (:func:`integrate_reference`, unrolled autograd), ``"torch"`` (:class:`CPABIntegrate`,
-    the factorized adjoint, ``checkpoint_every`` steps per recomputed segment) or ``"auto"`` (``regkit._backend``).
+    the factorized adjoint, ``checkpoint_every`` steps per recomputed segment), ``"triton"`` (the same in fused
+    kernels, ``regkit_kernels.cpab``; CUDA) or ``"auto"`` (``regkit._backend``).
     All backends return the same values and the same gradients.
     """
     _check_steps(steps)
@@ -375,6 +377,11 @@ def integrate(
     if chosen == "reference":
         return integrate_reference(points, A, tess, t=t, steps=steps)
     P, A4, keep = _batched(points, A, tess)
+    if chosen == "triton":  # the fused kernels work on E; autograd of step_matrices carries dL/dE to A
+        fused = load_kernels("cpab").cpab_integrate
+        return _unbatched(
+            fused(P, step_matrices(A4, t / steps), tess, steps=steps, checkpoint_every=checkpoint_every), keep
+        )
     return _unbatched(CPABIntegrate.apply(P, A4, tess, float(t), int(steps), int(checkpoint_every)), keep)
 
 
