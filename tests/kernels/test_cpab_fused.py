@@ -142,3 +142,18 @@ def test_realistic_sizes_gpu(ndim, shape, batch):
     for name, g, w, a in zip(("dL/dpoints", "dL/dtheta"), got[1:], want[1:], again[1:], strict=True):
         _assert_close(g, w, name)
         _assert_close(a, g, f"{name} (second run)")
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_several_programs_per_batch_element(ndim, monkeypatch):
+    """Blocks smaller than the point count (as on the GPU): every program writes its own points and moments."""
+    import regkit_kernels.cpab.ops as ops
+
+    monkeypatch.setattr(ops, "_INTERPRETER_BLOCK", 64)
+    basis, theta, points = _case(ndim, 0, "normal", torch.float64, n_random=150)
+    grad = torch.randn(points.shape, dtype=torch.float64)
+    want = _gradients(points, theta, basis, grad, "torch", 6, 4)
+    got = _gradients(points, theta, basis, grad, "triton", 6, 4)
+    assert torch.equal(got[0], want[0])
+    _assert_close(got[1], want[1], "dL/dpoints")
+    _assert_close(got[2], want[2], "dL/dtheta")
