@@ -241,11 +241,27 @@ def _optimize(
     """Run the stage's optimizer on one level; ``objective() -> (loss, similarity)``. Returns the level's report."""
     opt_cfg = stage.optimizer
     max_iter = stage.level_iterations()[level_index]
+    scale = 1.0  # the loss the optimizer sees is scale * loss (reports give the loss itself)
     if opt_cfg.name == "adam":
         optimizer: torch.optim.Optimizer = torch.optim.Adam(parameters, lr=opt_cfg.learning_rate)
     else:
+        # L-BFGS is invariant to the loss's scale except for its first step, lr * g / max(1, |g|_1): image
+        # similarities have tiny gradients in millimetre units, so that step would be far below the gradient's noise
+        # and corrupt the curvature pairs. Scaling the loss so that |g|_1 = 1 at the level's start makes the first
+        # step lr long. One L-BFGS iteration (with its line search) per step; torch's own stopping tests are off,
+        # the stage's tolerance/patience rule stops a level.
+        loss0, _ = objective()
+        grads = torch.autograd.grad(loss0, parameters, allow_unused=True)
+        norm = sum(float(g.abs().sum()) for g in grads if g is not None)
+        scale = 1.0 / norm if norm > 0 else 1.0
         optimizer = torch.optim.LBFGS(
-            parameters, lr=opt_cfg.learning_rate, max_iter=1, history_size=10, line_search_fn="strong_wolfe"
+            parameters,
+            lr=opt_cfg.learning_rate,
+            max_iter=1,
+            history_size=10,
+            tolerance_grad=0.0,
+            tolerance_change=0.0,
+            line_search_fn="strong_wolfe",
         )
     start = time.perf_counter()
     last: dict[str, float] = {}
@@ -253,9 +269,9 @@ def _optimize(
     def closure() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
         loss, sim = objective()
-        loss.backward()
+        (scale * loss).backward()
         last["loss"], last["similarity"] = float(loss.detach()), float(sim.detach())
-        return loss
+        return scale * loss.detach()
 
     previous, calm, iteration = None, 0, 0
     for iteration in range(1, max_iter + 1):

@@ -57,12 +57,12 @@ def _levels(iterations: list[int]) -> list[dict]:
     return [{"shrink": 2, "smoothing": 1.0}, {"shrink": 1, "smoothing": 0.0}][-len(iterations) :]
 
 
-def _linear_stage(kind: str, iterations: list[int], learning_rate: float = 1.0) -> dict:
+def _linear_stage(kind: str, iterations: list[int], learning_rate: float = 1.0, optimizer: str = "adam") -> dict:
     return {
         "type": kind,
         "similarity": {"name": "ncc"},
         "pyramid": _levels(iterations),
-        "optimizer": {"learning_rate": learning_rate, "iterations": iterations, "tolerance": 0.0},
+        "optimizer": {"name": optimizer, "learning_rate": learning_rate, "iterations": iterations, "tolerance": 0.0},
     }
 
 
@@ -105,16 +105,18 @@ def _rotation2d(degrees: float) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    ("kind", "linear"),
+    ("kind", "linear", "optimizer"),
     [
-        ("rigid", _rotation2d(6.0)),
-        ("affine", _rotation2d(-4.0) @ np.array([[1.06, 0.04], [0.0, 0.95]])),
+        ("rigid", _rotation2d(6.0), "adam"),
+        ("affine", _rotation2d(-4.0) @ np.array([[1.06, 0.04], [0.0, 0.95]]), "adam"),
+        ("rigid", _rotation2d(6.0), "lbfgs"),
     ],
 )
-def test_known_linear_transform_is_recovered(brain2d: Image, kind: str, linear: np.ndarray) -> None:
+def test_known_linear_transform_is_recovered(brain2d: Image, kind: str, linear: np.ndarray, optimizer: str) -> None:
     true = _about_centre(linear, np.array([5.0, -3.0]), brain2d)
     moving = _resampled(brain2d, true)
-    config = _config({"type": "moments"}, _linear_stage(kind, [60, 40]), dim=2)
+    iterations = [60, 40] if optimizer == "adam" else [20, 10]
+    config = _config({"type": "moments"}, _linear_stage(kind, iterations, optimizer=optimizer), dim=2)
     result = register(brain2d, moving, config)
     expected = np.linalg.inv(true)
     # Compare the maps over the image: the largest disagreement at the corners of the brain's box, in mm.

@@ -66,7 +66,12 @@ def _config(ndim: int, **outputs_flags: bool):
     single = [{"shrink": 1, "smoothing": 0.0}]
     stages = [
         {"type": "moments"},
-        {"type": "affine", "similarity": {"name": "ncc"}, "pyramid": single, "optimizer": {"iterations": 8}},
+        {
+            "type": "affine",
+            "similarity": {"name": "ncc"},
+            "pyramid": single,
+            "optimizer": {"iterations": 8, "learning_rate": 0.5},
+        },
         {
             "type": "cpab",
             "similarity": {"name": "lncc", "window": 5},
