@@ -27,5 +27,5 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 
 
 def test_missing_kernel_module_is_a_clear_error():
-    with pytest.raises(BackendError, match="regkit_kernels.nonexistent"):
+    with pytest.raises(BackendError, match=r"regkit_kernels\.nonexistent"):
         load_kernels("nonexistent")
