@@ -142,16 +142,17 @@ def _flush(mom_ptr, cell, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a
 
 @triton.jit
 def _cpab_bwd_kernel(
-    ckpt_ptr, g_ptr, e_ptr, geom_ptr, gx_ptr, mom_ptr, B, N, C, NX, NY, T, K, NDIM: tl.constexpr,
+    ckpt_ptr, g_ptr, e_ptr, geom_ptr, gx_ptr, mom_ptr, B, N, C, NX, NY, T, NDIM: tl.constexpr, K: tl.constexpr,
     MOMENTS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """The adjoint sweep: ``lambda_T = g``, then for ``s = T - 1 .. 0`` (``x_s`` recomputed from its segment's
-    checkpoint, bit-identical to the forward, so the same cell ``c_s``): ``dL/dE_{c_s} += lambda_{s+1} [x_s; 1]^T``
+    """The adjoint sweep: ``lambda_T = g``, then for ``s = T - 1 .. 0``: ``dL/dE_{c_s} += lambda_{s+1} [x_s; 1]^T``
     and ``lambda_s = E_lin(c_s)^T lambda_{s+1}``. Writes ``gx = lambda_0 (B, N, NDIM)`` and, when ``MOMENTS``, adds
-    into ``mom (B, C, NDIM, NDIM + 1)`` (zeroed by the caller). A point's moment is accumulated in registers while it
-    stays in one cell and added to the table (one atomic per entry) when its cell changes, and once at the end.
+    into ``mom (B, C, NDIM, NDIM + 1)`` (zeroed by the caller).
 
-    Each step ``s`` of a segment is recomputed from the checkpoint (``O(K^2)`` steps per segment of ``K``)."""
+    Segments are taken last first: the ``K`` positions and cells of a segment are recomputed from its checkpoint
+    (bit-identical to the forward, so the same cells ``c_s``) into registers (tuples, unrolled: ``K`` is a compile-time
+    constant), then swept backward. A point's moment is accumulated in registers while it stays in one cell and added
+    to the table (one atomic per entry) when its cell changes, and once at the end."""
     M: tl.constexpr = NDIM * (NDIM + 1)
     b = tl.program_id(1).to(tl.int64)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -167,48 +168,54 @@ def _cpab_bwd_kernel(
     for i in range(S):
         seg = S - 1 - i
         length = tl.minimum(K, T - seg * K)
-        for j in range(length):
-            x0, x1, x2 = _load_points(ckpt_ptr + (seg * B + b) * N * NDIM, idx, ok, NDIM)
-            for _ in range(length - 1 - j):
-                x0, x1, x2, _cell = _step(e_batch, x0, x1, x2, ok, geom_ptr, NX, NY, NDIM)
-            cell = _locate(x0, x1, x2, geom_ptr, NX, NY, NDIM)
-            e = e_batch + cell.to(tl.int64) * M
-            if MOMENTS:
-                changed = cell != current
-                _flush(mom_batch, current, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM)
-                current = cell
+        x0, x1, x2 = _load_points(ckpt_ptr + (seg * B + b) * N * NDIM, idx, ok, NDIM)
+        # Tuples grown by concatenation (Triton's code generator takes no starred elements). Steps past the end of a
+        # short last segment are computed and not used.
+        xs0, xs1, xs2, cells = (), (), (), ()
+        for _ in tl.static_range(K):
+            xs0, xs1, xs2 = xs0 + (x0,), xs1 + (x1,), xs2 + (x2,)  # noqa: RUF005
+            x0, x1, x2, cell = _step(e_batch, x0, x1, x2, ok, geom_ptr, NX, NY, NDIM)
+            cells = cells + (cell,)  # noqa: RUF005
+        for k in tl.static_range(K - 1, -1, -1):
+            if k < length:
+                x0, x1, x2, cell = xs0[k], xs1[k], xs2[k], cells[k]
+                e = e_batch + cell.to(tl.int64) * M
+                if MOMENTS:
+                    changed = cell != current
+                    _flush(mom_batch, current, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM)
+                    current = cell
+                    if NDIM == 2:
+                        a0 = tl.where(changed, zero, a0) + l0 * x0
+                        a1 = tl.where(changed, zero, a1) + l0 * x1
+                        a2 = tl.where(changed, zero, a2) + l0
+                        a3 = tl.where(changed, zero, a3) + l1 * x0
+                        a4 = tl.where(changed, zero, a4) + l1 * x1
+                        a5 = tl.where(changed, zero, a5) + l1
+                    else:
+                        a0 = tl.where(changed, zero, a0) + l0 * x0
+                        a1 = tl.where(changed, zero, a1) + l0 * x1
+                        a2 = tl.where(changed, zero, a2) + l0 * x2
+                        a3 = tl.where(changed, zero, a3) + l0
+                        a4 = tl.where(changed, zero, a4) + l1 * x0
+                        a5 = tl.where(changed, zero, a5) + l1 * x1
+                        a6 = tl.where(changed, zero, a6) + l1 * x2
+                        a7 = tl.where(changed, zero, a7) + l1
+                        a8 = tl.where(changed, zero, a8) + l2 * x0
+                        a9 = tl.where(changed, zero, a9) + l2 * x1
+                        a10 = tl.where(changed, zero, a10) + l2 * x2
+                        a11 = tl.where(changed, zero, a11) + l2
                 if NDIM == 2:
-                    a0 = tl.where(changed, zero, a0) + l0 * x0
-                    a1 = tl.where(changed, zero, a1) + l0 * x1
-                    a2 = tl.where(changed, zero, a2) + l0
-                    a3 = tl.where(changed, zero, a3) + l1 * x0
-                    a4 = tl.where(changed, zero, a4) + l1 * x1
-                    a5 = tl.where(changed, zero, a5) + l1
+                    n0 = tl.load(e, mask=ok, other=0.0) * l0 + tl.load(e + 3, mask=ok, other=0.0) * l1
+                    n1 = tl.load(e + 1, mask=ok, other=0.0) * l0 + tl.load(e + 4, mask=ok, other=0.0) * l1
+                    l0, l1 = n0, n1
                 else:
-                    a0 = tl.where(changed, zero, a0) + l0 * x0
-                    a1 = tl.where(changed, zero, a1) + l0 * x1
-                    a2 = tl.where(changed, zero, a2) + l0 * x2
-                    a3 = tl.where(changed, zero, a3) + l0
-                    a4 = tl.where(changed, zero, a4) + l1 * x0
-                    a5 = tl.where(changed, zero, a5) + l1 * x1
-                    a6 = tl.where(changed, zero, a6) + l1 * x2
-                    a7 = tl.where(changed, zero, a7) + l1
-                    a8 = tl.where(changed, zero, a8) + l2 * x0
-                    a9 = tl.where(changed, zero, a9) + l2 * x1
-                    a10 = tl.where(changed, zero, a10) + l2 * x2
-                    a11 = tl.where(changed, zero, a11) + l2
-            if NDIM == 2:
-                n0 = tl.load(e, mask=ok, other=0.0) * l0 + tl.load(e + 3, mask=ok, other=0.0) * l1
-                n1 = tl.load(e + 1, mask=ok, other=0.0) * l0 + tl.load(e + 4, mask=ok, other=0.0) * l1
-                l0, l1 = n0, n1
-            else:
-                n0 = tl.load(e, mask=ok, other=0.0) * l0 + tl.load(e + 4, mask=ok, other=0.0) * l1
-                n0 = n0 + tl.load(e + 8, mask=ok, other=0.0) * l2
-                n1 = tl.load(e + 1, mask=ok, other=0.0) * l0 + tl.load(e + 5, mask=ok, other=0.0) * l1
-                n1 = n1 + tl.load(e + 9, mask=ok, other=0.0) * l2
-                n2 = tl.load(e + 2, mask=ok, other=0.0) * l0 + tl.load(e + 6, mask=ok, other=0.0) * l1
-                n2 = n2 + tl.load(e + 10, mask=ok, other=0.0) * l2
-                l0, l1, l2 = n0, n1, n2
+                    n0 = tl.load(e, mask=ok, other=0.0) * l0 + tl.load(e + 4, mask=ok, other=0.0) * l1
+                    n0 = n0 + tl.load(e + 8, mask=ok, other=0.0) * l2
+                    n1 = tl.load(e + 1, mask=ok, other=0.0) * l0 + tl.load(e + 5, mask=ok, other=0.0) * l1
+                    n1 = n1 + tl.load(e + 9, mask=ok, other=0.0) * l2
+                    n2 = tl.load(e + 2, mask=ok, other=0.0) * l0 + tl.load(e + 6, mask=ok, other=0.0) * l1
+                    n2 = n2 + tl.load(e + 10, mask=ok, other=0.0) * l2
+                    l0, l1, l2 = n0, n1, n2
     if MOMENTS:
         _flush(mom_batch, current, current >= 0, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM)
     _store_points(gx_ptr + b * N * NDIM, idx, l0, l1, l2, ok, NDIM)

@@ -103,8 +103,8 @@ def cpab_bwd(
     grid, block, nx, ny = _launch_args(grad_out, tess)
     _cpab_bwd_kernel[grid](
         checkpoints, grad_out, E, _geometry(tess, E.dtype, E.device), grad_points, grad_E,
-        B, N, E.shape[1], nx, ny, steps, checkpoint_every,
-        NDIM=n, MOMENTS=moments, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
+        B, N, E.shape[1], nx, ny, steps,
+        NDIM=n, K=checkpoint_every, MOMENTS=moments, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return grad_points, (grad_E if moments else None)
 
