@@ -8,7 +8,8 @@ floating-point contraction off, so every product and sum is rounded as in PyTorc
 Every program owns ``BLOCK`` points of one batch element (``program_id(1)``) and keeps them in registers through all
 steps. ``geom_ptr`` holds, in the working dtype, the box's ``lower`` (NDIM values), ``extent = upper - lower`` (NDIM)
 and the per-axis box counts (NDIM), rounded exactly as ``locate`` rounds them. ``e_ptr`` is the step-matrix table
-``E (B, C, NDIM, NDIM + 1)``, contiguous. Checkpoint ``s`` is the position after ``s K`` steps, ``S = ceil(T / K)``.
+``E (B, C, NDIM, NDIM + 1)``, contiguous. Checkpoint ``s = 1 .. S - 1`` is the position after ``s K`` steps,
+``S = ceil(T / K)`` (the points themselves are checkpoint 0); the checkpoint table holds ``(S - 1, B, N, NDIM)``.
 """
 
 import triton
@@ -104,8 +105,8 @@ def _cpab_fwd_kernel(
     x_ptr, x_batch_stride, e_ptr, geom_ptr, out_ptr, ckpt_ptr, B, N, C, NX, NY, T, K, NDIM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """``out (B, N, NDIM)`` = the points after ``T`` steps; ``ckpt (S, B, N, NDIM)`` = the positions after 0, K, 2K, ...
-    steps. ``x_ptr`` rows are contiguous, ``x_batch_stride`` apart (0 for points shared by the batch)."""
+    """``out (B, N, NDIM)`` = the points after ``T`` steps; ``ckpt (S - 1, B, N, NDIM)`` = the positions after K, 2K,
+    ... steps. ``x_ptr`` rows are contiguous, ``x_batch_stride`` apart (0 for points shared by the batch)."""
     b = tl.program_id(1).to(tl.int64)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < N
@@ -113,7 +114,8 @@ def _cpab_fwd_kernel(
     e_batch = e_ptr + b * C * (NDIM * (NDIM + 1))
     S = tl.cdiv(T, K)
     for seg in range(S):
-        _store_points(ckpt_ptr + (seg * B + b) * N * NDIM, idx, x0, x1, x2, ok, NDIM)
+        if seg > 0:
+            _store_points(ckpt_ptr + ((seg - 1) * B + b) * N * NDIM, idx, x0, x1, x2, ok, NDIM)
         for _ in range(tl.minimum(K, T - seg * K)):
             x0, x1, x2, _cell = _step(e_batch, x0, x1, x2, ok, geom_ptr, NX, NY, NDIM)
     _store_points(out_ptr + b * N * NDIM, idx, x0, x1, x2, ok, NDIM)
@@ -142,8 +144,8 @@ def _flush(mom_ptr, cell, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a
 
 @triton.jit
 def _cpab_bwd_kernel(
-    ckpt_ptr, g_ptr, e_ptr, geom_ptr, gx_ptr, mom_ptr, B, N, C, NX, NY, T, NDIM: tl.constexpr, K: tl.constexpr,
-    MOMENTS: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, x_batch_stride, ckpt_ptr, g_ptr, e_ptr, geom_ptr, gx_ptr, mom_ptr, B, N, C, NX, NY, T,
+    NDIM: tl.constexpr, K: tl.constexpr, MOMENTS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The adjoint sweep: ``lambda_T = g``, then for ``s = T - 1 .. 0``: ``dL/dE_{c_s} += lambda_{s+1} [x_s; 1]^T``
     and ``lambda_s = E_lin(c_s)^T lambda_{s+1}``. Writes ``gx = lambda_0 (B, N, NDIM)`` and, when ``MOMENTS``, adds
@@ -168,7 +170,10 @@ def _cpab_bwd_kernel(
     for i in range(S):
         seg = S - 1 - i
         length = tl.minimum(K, T - seg * K)
-        x0, x1, x2 = _load_points(ckpt_ptr + (seg * B + b) * N * NDIM, idx, ok, NDIM)
+        if seg == 0:
+            x0, x1, x2 = _load_points(x_ptr + b * x_batch_stride, idx, ok, NDIM)
+        else:
+            x0, x1, x2 = _load_points(ckpt_ptr + ((seg - 1) * B + b) * N * NDIM, idx, ok, NDIM)
         # Tuples grown by concatenation (Triton's code generator takes no starred elements). Steps past the end of a
         # short last segment are computed and not used.
         xs0, xs1, xs2, cells = (), (), (), ()

@@ -62,6 +62,17 @@ def _check(points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: i
         raise ValueError(f"steps and checkpoint_every must be positive, got {steps} and {checkpoint_every}")
 
 
+def _rows(points: Tensor) -> Tensor:
+    """``points (B, N, n)`` with contiguous rows of contiguous points (the batch may stay a stride-0 broadcast)."""
+    n = points.shape[-1]
+    return points if points.stride(-1) == 1 and points.stride(-2) == n else points.contiguous()
+
+
+def _or(table: Tensor, fallback: Tensor) -> Tensor:
+    """``table``, or any valid tensor in its place when it is empty (a kernel argument that is never read)."""
+    return table if table.numel() else fallback
+
+
 def _launch_args(points: Tensor, tess: Box) -> tuple[tuple[int, int], int, int, int]:
     """Grid, block, and the x / y box counts."""
     B, N, _ = points.shape
@@ -72,17 +83,16 @@ def _launch_args(points: Tensor, tess: Box) -> tuple[tuple[int, int], int, int, 
 def cpab_fwd(points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: int) -> tuple[Tensor, Tensor]:
     """The expm-step scheme for ``steps`` steps with step matrices ``E (B, C, n, n + 1)`` from ``points (B, N, n)``
     (domain coordinates; the batch dimension may be a stride-0 broadcast). Returns the end points ``(B, N, n)`` and the
-    checkpoints ``(S, B, N, n)``: the positions after ``0, K, 2K, ...`` steps, ``S = ceil(steps / K)``."""
+    checkpoints ``(S - 1, B, N, n)``: the positions after ``K, 2K, ...`` steps, ``S = ceil(steps / K)`` (the backward
+    pass takes the points themselves for the first segment)."""
     _check(points, E, tess, steps, checkpoint_every)
     B, N, n = points.shape
-    if points.stride(-1) != 1 or points.stride(-2) != n:
-        points = points.contiguous()
-    E = E.contiguous()
+    points, E = _rows(points), E.contiguous()
     out = points.new_empty((B, N, n))
-    checkpoints = points.new_empty((-(-steps // checkpoint_every), B, N, n))
+    checkpoints = points.new_empty((-(-steps // checkpoint_every) - 1, B, N, n))
     grid, block, nx, ny = _launch_args(points, tess)
     _cpab_fwd_kernel[grid](
-        points, points.stride(0), E, _geometry(tess, points.dtype, points.device), out, checkpoints,
+        points, points.stride(0), E, _geometry(tess, points.dtype, points.device), out, _or(checkpoints, points),
         B, N, E.shape[1], nx, ny, steps, checkpoint_every,
         NDIM=n, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
@@ -90,19 +100,27 @@ def cpab_fwd(points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every:
 
 
 def cpab_bwd(
-    checkpoints: Tensor, grad_out: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: int, moments: bool
+    points: Tensor,
+    checkpoints: Tensor,
+    grad_out: Tensor,
+    E: Tensor,
+    tess: Box,
+    steps: int,
+    checkpoint_every: int,
+    moments: bool,
 ) -> tuple[Tensor, Tensor | None]:
-    """The fused factorized adjoint for ``grad_out = dL/dx_T (B, N, n)``: returns ``dL/dpoints (B, N, n)`` and, when
+    """The fused factorized adjoint for ``grad_out = dL/dx_T (B, N, n)``, given the forward pass's points and
+    checkpoints: returns ``dL/dpoints (B, N, n)`` and, when
     ``moments``, ``dL/dE (B, C, n, n + 1)`` (the per-cell moments ``sum lambda_{s+1} [x_s; 1]^T``; float atomics, so
     the summation order varies between runs)."""
     B, N, n = grad_out.shape
-    grad_out = grad_out.contiguous()
-    E = E.contiguous()
+    points, grad_out, E = _rows(points), grad_out.contiguous(), E.contiguous()
     grad_points = torch.empty_like(grad_out)
     grad_E = torch.zeros_like(E) if moments else E.new_zeros(1)
     grid, block, nx, ny = _launch_args(grad_out, tess)
     _cpab_bwd_kernel[grid](
-        checkpoints, grad_out, E, _geometry(tess, E.dtype, E.device), grad_points, grad_E,
+        points, points.stride(0), _or(checkpoints, points), grad_out, E, _geometry(tess, E.dtype, E.device),
+        grad_points, grad_E,
         B, N, E.shape[1], nx, ny, steps,
         NDIM=n, K=checkpoint_every, MOMENTS=moments, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
@@ -121,7 +139,7 @@ class CPABIntegrateTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: int) -> Tensor:
         out, checkpoints = cpab_fwd(points, E, tess, steps, checkpoint_every)
-        ctx.save_for_backward(E, checkpoints)
+        ctx.save_for_backward(points, E, checkpoints)
         ctx.tess, ctx.steps, ctx.checkpoint_every = tess, steps, checkpoint_every
         return out
 
@@ -131,8 +149,10 @@ class CPABIntegrateTriton(torch.autograd.Function):
         need_points, need_E = ctx.needs_input_grad[:2]
         if not (need_points or need_E):
             return None, None, None, None, None
-        E, checkpoints = ctx.saved_tensors
-        grad_points, grad_E = cpab_bwd(checkpoints, grad_out, E, ctx.tess, ctx.steps, ctx.checkpoint_every, need_E)
+        points, E, checkpoints = ctx.saved_tensors
+        grad_points, grad_E = cpab_bwd(
+            points, checkpoints, grad_out, E, ctx.tess, ctx.steps, ctx.checkpoint_every, need_E
+        )
         return (grad_points if need_points else None), grad_E, None, None, None
 
 
