@@ -157,3 +157,37 @@ def test_several_programs_per_batch_element(ndim, monkeypatch):
     assert torch.equal(got[0], want[0])
     _assert_close(got[1], want[1], "dL/dpoints")
     _assert_close(got[2], want[2], "dL/dtheta")
+
+
+_COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from regkit_kernels.cpab.kernels import _cpab_bwd_kernel, _cpab_fwd_kernel
+
+for kernel, consts in [(_cpab_fwd_kernel, {}), (_cpab_bwd_kernel, {"K": 8, "MOMENTS": True})]:
+    for ndim in (2, 3):
+        constexprs = {"NDIM": ndim, "BLOCK": 128, **consts}
+        signature = {
+            name: "constexpr" if name in constexprs else "*fp32" if name.endswith("_ptr") else "i32"
+            for name in kernel.arg_names
+        }
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+        ptx = compiled.asm["ptx"]
+        assert "cubin" in compiled.asm and "fma." not in ptx and "div.rn.f32" in ptx, (kernel.__name__, ndim)
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_without_contraction():
+    """Without a GPU: the kernels compile for sm_90 (through ptxas) with no fused multiply-adds and IEEE division, the
+    arithmetic the bit-equality with PyTorch rests on (a subprocess, since the interpreter is on in this one)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
