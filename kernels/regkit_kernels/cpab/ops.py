@@ -110,9 +110,9 @@ def cpab_bwd(
     moments: bool,
 ) -> tuple[Tensor, Tensor | None]:
     """The fused factorized adjoint for ``grad_out = dL/dx_T (B, N, n)``, given the forward pass's points and
-    checkpoints: returns ``dL/dpoints (B, N, n)`` and, when
-    ``moments``, ``dL/dE (B, C, n, n + 1)`` (the per-cell moments ``sum lambda_{s+1} [x_s; 1]^T``; float atomics, so
-    the summation order varies between runs)."""
+    checkpoints: returns ``dL/dpoints (B, N, n)`` and, when ``moments``, ``dL/dE (B, C, n, n + 1)`` (the per-cell
+    moments ``sum lambda_{s+1} [x_s; 1]^T``; float atomics, so the summation order varies between runs). The segment
+    length ``checkpoint_every`` is a compile-time constant of the backward kernel (its steps are unrolled)."""
     B, N, n = grad_out.shape
     points, grad_out, E = _rows(points), grad_out.contiguous(), E.contiguous()
     grad_points = torch.empty_like(grad_out)
