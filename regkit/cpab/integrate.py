@@ -35,8 +35,10 @@ if TYPE_CHECKING:
     from regkit.cpab.basis import CPABasis
 
 FACES = ("reference", "torch", "triton")
-"""The integration backends offered here; ``"auto"`` picks ``"triton"`` for CUDA tensors when the kernels import, else
-``"torch"`` (``regkit._backend.resolve_backend``)."""
+"""The integration backends offered here (``regkit._backend.resolve_backend``)."""
+AUTO_FACES = ("reference", "torch")
+"""What ``"auto"`` chooses from: ``"torch"``. The fused kernels are tested on the CPU interpreter only; they join
+``"auto"`` once validated and timed on a GPU (issue 5). Ask for ``backend="triton"`` to use them now."""
 
 DEFAULT_STEPS = 50
 DEFAULT_CHECKPOINT_EVERY = 8
@@ -367,13 +369,13 @@ def integrate(
     ``points (N, n) | (B, N, n)``, ``A (C, n, n + 1) | (B, C, n, n + 1)`` -> ``(B?, N, n)``, domain coordinates.
     ``backend``: ``"reference"`` (:func:`integrate_reference`, unrolled autograd), ``"torch"`` (:class:`CPABIntegrate`,
     the factorized adjoint, ``checkpoint_every`` steps per recomputed segment), ``"triton"`` (the same in fused
-    kernels, ``regkit_kernels.cpab``; CUDA) or ``"auto"`` (``regkit._backend``).
+    kernels, ``regkit_kernels.cpab``; CUDA) or ``"auto"`` (``"torch"`` for now, see ``AUTO_FACES``).
     All backends return the same values and the same gradients.
     """
     _check_steps(steps)
     if isinstance(checkpoint_every, bool) or int(checkpoint_every) != checkpoint_every or checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be a positive integer, got {checkpoint_every!r}")
-    chosen = resolve_backend(backend, points.device, "cpab", faces=FACES)
+    chosen = resolve_backend(backend, points.device, "cpab", faces=AUTO_FACES if backend == "auto" else FACES)
     if chosen == "reference":
         return integrate_reference(points, A, tess, t=t, steps=steps)
     P, A4, keep = _batched(points, A, tess)
