@@ -63,10 +63,10 @@ def _gradients(points, theta, basis, grad, backend, steps, checkpoint_every):
     return (out, *torch.autograd.grad(out, (points, theta), grad))
 
 
-def _assert_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+def _assert_close(got: torch.Tensor, want: torch.Tensor, name: str, tol: float | None = None) -> None:
     diff = (got - want).abs()
     scale = want.abs().max().item()
-    assert diff.max().item() <= _TOL[want.dtype] * scale, (
+    assert diff.max().item() <= (tol or _TOL[want.dtype]) * scale, (
         f"{name}: max |triton - torch| = {diff.max().item():.3g}, largest |torch| {scale:.3g}"
     )
 
@@ -139,9 +139,11 @@ def test_realistic_sizes_gpu(ndim, shape, batch):
     again = _gradients(points, theta, basis, grad, "triton", 50, 8)
     assert torch.equal(got[0], want[0])
     assert all(torch.isfinite(g).all() for g in got)
+    # theta's gradient sums 50 steps x 50k points per cell in float32, in another order (atomics): measured on the
+    # H200, 3e-5 relative at 16x16 cells; 2e-4 bounds that reordering, far below any real error.
     for name, g, w, a in zip(("dL/dpoints", "dL/dtheta"), got[1:], want[1:], again[1:], strict=True):
-        _assert_close(g, w, name)
-        _assert_close(a, g, f"{name} (second run)")
+        _assert_close(g, w, name, tol=2e-4)
+        _assert_close(a, g, f"{name} (second run)", tol=2e-4)
 
 
 @pytest.mark.parametrize("ndim", [2, 3])
