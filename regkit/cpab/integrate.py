@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 FACES = ("reference", "torch", "triton")
 """The integration backends offered here (``regkit._backend.resolve_backend``)."""
 AUTO_FACES = ("reference", "torch")
-"""What ``"auto"`` chooses from: ``"torch"``. The fused kernels are tested on the CPU interpreter only; they join
-``"auto"`` once validated and timed on a GPU (issue 5). Ask for ``backend="triton"`` to use them now."""
+"""What ``"auto"`` chooses from: ``"torch"``. The fused kernels are correct on CPU (interpreter) and H200 but compile
+for up to a minute on first use (3D backward); they join ``"auto"`` once that is fixed (issue 5). Ask for
+``backend="triton"`` to use them now."""
 
 DEFAULT_STEPS = 50
 DEFAULT_CHECKPOINT_EVERY = 8
