@@ -5,24 +5,16 @@ from __future__ import annotations
 import pytest
 
 from regkit.config import load_config
-from regkit_cli.main import main
-
-
-def _run(argv: list[str]) -> int:
-    try:
-        main(argv)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 1
-    return 0
+from tests.apps.cli import run_cli
 
 
 def test_valid_preset(capsys):
-    assert _run(["check-config", "demo"]) == 0
+    assert run_cli(["check-config", "demo"]) == 0
     assert capsys.readouterr().out == "demo: valid\n"
 
 
 def test_show_prints_yaml_that_loads(capsys, tmp_path):
-    assert _run(["check-config", "brain-mri-3d", "--show"]) == 0
+    assert run_cli(["check-config", "brain-mri-3d", "--show"]) == 0
     path = tmp_path / "shown.yaml"
     path.write_text(capsys.readouterr().out)
     assert load_config(str(path)) == load_config("brain-mri-3d")
@@ -38,7 +30,7 @@ def test_show_prints_yaml_that_loads(capsys, tmp_path):
 def test_invalid_file_is_one_line_on_stderr(capsys, tmp_path, text, expected):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
-    assert _run(["check-config", str(path)]) == 1
+    assert run_cli(["check-config", str(path)]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith(f"error: {path}{expected}")
@@ -47,7 +39,7 @@ def test_invalid_file_is_one_line_on_stderr(capsys, tmp_path, text, expected):
 
 
 def test_unknown_preset(capsys):
-    assert _run(["check-config", "no-such-preset"]) == 1
+    assert run_cli(["check-config", "no-such-preset"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: 'no-such-preset' is neither a YAML file nor a preset")
     assert err.count("\n") == 1

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from regkit_cli.main import app, main
+from regkit_cli.main import app
+from tests.apps.cli import run_cli
 
 # A few iterations at shrink 4: the whole pipeline (pair, registration, outputs) in seconds, not the demo's accuracy.
 _TINY = """\
@@ -29,14 +30,6 @@ stages:
 """
 
 
-def _run(argv: list[str]) -> int:
-    try:
-        main(argv)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 1
-    return 0
-
-
 def test_demo_help_names_its_options_without_importing_torch() -> None:
     result = CliRunner().invoke(app, ["demo", "--help"])
     assert result.exit_code == 0, result.output
@@ -50,7 +43,7 @@ def test_demo_tiny_run_prints_metrics_and_writes_outputs(tmp_path: Path, capfd) 
     config = tmp_path / "tiny.yaml"
     config.write_text(_TINY)
     out = tmp_path / "demo"
-    assert _run(["demo", "-o", str(out), "--config", str(config)]) == 0
+    assert run_cli(["demo", "-o", str(out), "--config", str(config)]) == 0
     printed = capfd.readouterr().out
     for text in ("Dice, mean over 116 AAL labels", "Folds", "Runtime: registration", f"Outputs: {out}"):
         assert text in printed
@@ -65,8 +58,8 @@ def test_demo_tiny_run_prints_metrics_and_writes_outputs(tmp_path: Path, capfd) 
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left behind
 
     # An existing folder is refused at once (one error line), then replaced with --overwrite, quietly.
-    assert _run(["demo", "-o", str(out), "--config", str(config)]) == 1
+    assert run_cli(["demo", "-o", str(out), "--config", str(config)]) == 1
     assert "exists; use --overwrite" in capfd.readouterr().err
-    assert _run(["demo", "-o", str(out), "--config", str(config), "--overwrite", "--quiet"]) == 0
+    assert run_cli(["demo", "-o", str(out), "--config", str(config), "--overwrite", "--quiet"]) == 0
     assert capfd.readouterr().out == ""
     assert (out / "inputs" / "moving.nii.gz").is_file()

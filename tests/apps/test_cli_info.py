@@ -13,16 +13,8 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from regkit_cli.main import main
+from tests.apps.cli import run_cli
 from tests.data import itk_example, nibabel_data
-
-
-def _run(argv: list[str]) -> int:
-    try:
-        main(argv)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 1
-    return 0
 
 
 def _fields(out: str) -> dict[str, str]:
@@ -31,7 +23,7 @@ def _fields(out: str) -> dict[str, str]:
 
 
 def test_info_on_las_nifti(capfd) -> None:
-    assert _run(["info", str(nibabel_data("anatomical.nii"))]) == 0
+    assert run_cli(["info", str(nibabel_data("anatomical.nii"))]) == 0
     captured = capfd.readouterr()
     assert captured.err == ""
     fields = _fields(captured.out)
@@ -45,13 +37,13 @@ def test_info_on_las_nifti(capfd) -> None:
 
 
 def test_info_on_oblique_2d_metaimage_and_on_nan_voxels(capfd) -> None:
-    assert _run(["info", str(itk_example("BrainProtonDensitySliceBorder20DirectionPlus30.mhd"))]) == 0
+    assert run_cli(["info", str(itk_example("BrainProtonDensitySliceBorder20DirectionPlus30.mhd"))]) == 0
     fields = _fields(capfd.readouterr().out)
     assert fields["size"].startswith("221 x 257")
     assert fields["direction"].endswith("oblique by up to 30.00 deg")
     assert fields["orientation"].startswith("LP ")
     # `info` does not refuse NaN voxels; it counts them.
-    assert _run(["info", str(nibabel_data("resampled_anat_moved.nii"))]) == 0
+    assert run_cli(["info", str(nibabel_data("resampled_anat_moved.nii"))]) == 0
     assert _fields(capfd.readouterr().out)["range"].endswith("(153 NaN, 0 Inf)")
 
 
@@ -80,7 +72,7 @@ def _four_d_nifti(folder: Path) -> Path:
 )
 def test_bad_input_is_one_error_line_and_exit_code_1(capfd, tmp_path: Path, make, expected: str) -> None:
     path = make(tmp_path)
-    assert _run(["info", str(path)]) == 1
+    assert run_cli(["info", str(path)]) == 1
     captured = capfd.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("error: ") and captured.err.count("\n") == 1, captured.err

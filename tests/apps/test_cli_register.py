@@ -16,7 +16,7 @@ import regkit.engine
 from regkit.io import Image, read_image, write_image
 from regkit.outputs import OUTPUT_FILES
 from regkit.spatial.grid import Grid
-from regkit_cli.main import main
+from tests.apps.cli import run_cli
 
 CONFIG = """\
 base: quick-2d
@@ -33,14 +33,6 @@ stages:
     tessellation: [3]
     steps: 10
 """
-
-
-def _run(argv: list[str]) -> int:
-    try:
-        main([str(a) for a in argv])
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 1
-    return 0
 
 
 def _blobs(grid: Grid, shift: float) -> torch.Tensor:
@@ -86,7 +78,7 @@ def result_dir(files, tmp_path_factory):
     """One registration through main(), with both label maps and progress on."""
     out = tmp_path_factory.mktemp("result") / "out"
     argv = ["register", files["fixed"], files["moving"], "-o", out, "-c", files["config"]]
-    assert _run([*argv, "--moving-labels", files["ml"], "--fixed-labels", files["fl"], "--seed", "3"]) == 0
+    assert run_cli([*argv, "--moving-labels", files["ml"], "--fixed-labels", files["fl"], "--seed", "3"]) == 0
     return out
 
 
@@ -110,14 +102,14 @@ def test_register_writes_every_output(result_dir):
 def test_register_prints_where_and_key_metrics(files, tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["register", files["fixed"], files["moving"], "-o", out, "-c", files["config"]]
-    assert _run([*argv, "--moving-labels", files["ml"], "--fixed-labels", files["fl"]]) == 0
+    assert run_cli([*argv, "--moving-labels", files["ml"], "--fixed-labels", files["fl"]]) == 0
     stdout = capsys.readouterr().out
     assert f"outputs: {out}" in stdout and "Dice (mean of 2 labels)" in stdout and "runtime:" in stdout
 
 
 def test_register_quiet_prints_nothing(files, tmp_path, capsys):
     argv = ["register", files["fixed"], files["moving"], "-o", tmp_path / "out", "-c", files["config"], "--quiet"]
-    assert _run(argv) == 0
+    assert run_cli(argv) == 0
     assert capsys.readouterr() == ("", "")
 
 
@@ -133,7 +125,7 @@ def test_register_through_python_m(files, tmp_path):
 
 def test_non_overlapping_fields_of_view_warn(files, tmp_path, capsys):
     argv = ["register", files["fixed"], files["far"], "-o", tmp_path / "out", "-c", files["config"], "--quiet"]
-    assert _run(argv) == 0
+    assert run_cli(argv) == 0
     err = capsys.readouterr().err
     assert err.startswith("warning: ") and "do not overlap" in err and err.count("\n") == 1
     assert (tmp_path / "out" / "metrics.json").exists()
@@ -144,7 +136,7 @@ def test_overwrite_replaces(files, tmp_path):
     out.mkdir()
     (out / "transform.json").write_text("old")
     argv = ["register", files["fixed"], files["moving"], "-o", out, "-c", files["config"], "--quiet", "--overwrite"]
-    assert _run(argv) == 0
+    assert run_cli(argv) == 0
     assert set(os.listdir(out)) == set(OUTPUT_FILES.values()) - {"warped_labels.nii.gz"}
 
 
@@ -174,7 +166,7 @@ def test_bad_input_is_one_error_line(files, tmp_path, capsys, case, message):
         config = files["bad_config"]
     elif case == "bad_device":
         extra = ["--device", "gpu"]
-    assert _run(["register", fixed, moving, "-o", out, "-c", config, "--quiet", *extra]) == 1
+    assert run_cli(["register", fixed, moving, "-o", out, "-c", config, "--quiet", *extra]) == 1
     _one_error_line(capsys, message)
     assert os.listdir(tmp_path) == (["out"] if case == "existing_output" else [])
 
@@ -184,7 +176,7 @@ def test_ctrl_c_leaves_nothing_and_exits_130(files, tmp_path, capsys, monkeypatc
         raise KeyboardInterrupt
 
     monkeypatch.setattr(regkit.engine, "register", interrupted)
-    assert _run(["register", files["fixed"], files["moving"], "-o", tmp_path / "out", "-c", files["config"]]) == 130
+    assert run_cli(["register", files["fixed"], files["moving"], "-o", tmp_path / "out", "-c", files["config"]]) == 130
     err = capsys.readouterr().err
     assert [line for line in err.splitlines() if line.strip()] == [
         f"interrupted: nothing was written to {tmp_path / 'out'}"
@@ -197,7 +189,7 @@ def test_gpu_out_of_memory_is_one_line(files, tmp_path, capsys, monkeypatch):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(regkit.engine, "register", out_of_memory)
-    assert _run(["register", files["fixed"], files["moving"], "-o", tmp_path / "out", "-c", files["config"]]) == 1
+    assert run_cli(["register", files["fixed"], files["moving"], "-o", tmp_path / "out", "-c", files["config"]]) == 1
     _one_error_line(capsys, "smaller tessellation")
 
 
@@ -209,7 +201,7 @@ def test_gpu_out_of_memory_is_one_line(files, tmp_path, capsys, monkeypatch):
 def test_apply_nearest_keeps_the_label_set(files, result_dir, tmp_path, transform):
     out = tmp_path / "labels.nii.gz"
     argv = ["apply", result_dir / transform, files["ml"], "-r", files["fixed"], "-o", out, "--interp", "nearest"]
-    assert _run(argv) == 0
+    assert run_cli(argv) == 0
     labels = read_image(out)
     assert labels.data.dtype == torch.int16
     assert set(torch.unique(labels.data).tolist()) == {0, 1, 2}
@@ -220,7 +212,7 @@ def test_apply_nearest_keeps_the_label_set(files, result_dir, tmp_path, transfor
 @pytest.mark.parametrize("transform", ["transform.json", "transform.h5"])
 def test_apply_linear_reproduces_warped(files, result_dir, tmp_path, transform):
     out = tmp_path / "warped.mha"
-    assert _run(["apply", result_dir / transform, files["moving"], "-r", files["fixed"], "-o", out]) == 0
+    assert run_cli(["apply", result_dir / transform, files["moving"], "-r", files["fixed"], "-o", out]) == 0
     ours, warped = read_image(out), read_image(result_dir / "warped.nii.gz")
     assert ours.data.dtype == torch.float32
     interior = (slice(4, -4), slice(4, -4))
@@ -229,13 +221,13 @@ def test_apply_linear_reproduces_warped(files, result_dir, tmp_path, transform):
 
 def test_apply_missing_transform_is_one_line(files, tmp_path, capsys):
     argv = ["apply", tmp_path / "none.h5", files["ml"], "-r", files["fixed"], "-o", tmp_path / "x.nii.gz"]
-    assert _run(argv) == 1
+    assert run_cli(argv) == 1
     _one_error_line(capsys, "no such file")
 
 
 def test_invert_result_dir_matches_inverse_displacement(result_dir, tmp_path):
     out = tmp_path / "inverse.nii.gz"
-    assert _run(["invert", result_dir, "-o", out]) == 0
+    assert run_cli(["invert", result_dir, "-o", out]) == 0
     ours = nib.load(out).get_fdata()
     written = nib.load(result_dir / "inverse_displacement.nii.gz").get_fdata()
     np.testing.assert_allclose(ours, written, atol=1e-6)
@@ -244,26 +236,27 @@ def test_invert_result_dir_matches_inverse_displacement(result_dir, tmp_path):
 def test_invert_lone_transform_needs_a_reference(files, result_dir, tmp_path, capsys):
     lone = tmp_path / "transform.json"
     shutil.copy(result_dir / "transform.json", lone)
-    assert _run(["invert", lone, "-o", tmp_path / "inverse.nii.gz"]) == 1
+    assert run_cli(["invert", lone, "-o", tmp_path / "inverse.nii.gz"]) == 1
     _one_error_line(capsys, "--reference")
-    assert _run(["invert", lone, "-o", tmp_path / "inverse.nii.gz", "-r", files["moving"]]) == 0
+    assert run_cli(["invert", lone, "-o", tmp_path / "inverse.nii.gz", "-r", files["moving"]]) == 0
     assert nib.load(tmp_path / "inverse.nii.gz").shape == (34, 34, 1, 1, 2)
 
 
 def test_jacobian_matches_the_result(result_dir, tmp_path):
     out = tmp_path / "det.nii.gz"
-    assert _run(["jacobian", result_dir / "transform.json", "-o", out]) == 0
+    assert run_cli(["jacobian", result_dir / "transform.json", "-o", out]) == 0
     torch.testing.assert_close(read_image(out).data, read_image(result_dir / "jacobian.nii.gz").data)
 
 
 def test_export_learn2reg_names_and_layout(result_dir, tmp_path, capsys):
     folder = tmp_path / "submission"
     assert (
-        _run(["export", result_dir, "--format", "learn2reg", "-o", folder, "--fixed-id", "1", "--moving-id", "12"]) == 0
+        run_cli(["export", result_dir, "--format", "learn2reg", "-o", folder, "--fixed-id", "1", "--moving-id", "12"])
+        == 0
     )
     path = folder / "disp_0001_0012.nii.gz"
     assert capsys.readouterr().out.strip() == str(path)
     disp = nib.load(path)
     assert disp.shape == (36, 32, 2) and disp.get_data_dtype() == np.float32
-    assert _run(["export", result_dir / "transform.json", "-o", folder]) == 1
+    assert run_cli(["export", result_dir / "transform.json", "-o", folder]) == 1
     _one_error_line(capsys, "--fixed-id")
