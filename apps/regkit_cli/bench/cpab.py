@@ -34,13 +34,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from regkit_cli.bench._common import device_name, mib, render, rss_bytes
+
 if TYPE_CHECKING:
     import torch
 
 METHODS = ("factorized", "unrolled", "sensitivity")
 METHOD_TITLES = {"factorized": "factorized", "unrolled": "unrolled autograd", "sensitivity": "forward sensitivity"}
 _CHECKPOINT_EVERY = 8
-_MiB = 2**20
 
 
 class Device(str, Enum):
@@ -135,14 +136,6 @@ def _plan(device: str, quick: bool) -> Plan:
 # ---- one measurement ----------------------------------------------------------------------------------------------
 
 
-def _rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"/proc/self/status has no {field}")
-
-
 def _measure(case: Case, budget_s: float) -> dict[str, Any]:
     """Run one case: ``{"d", "forward_s", "gradient_s", "peak_bytes"}`` (peak ``None`` where it cannot be read)."""
     import torch
@@ -193,11 +186,11 @@ def _measure(case: Case, budget_s: float) -> dict[str, Any]:
         peak = torch.cuda.max_memory_allocated(device) - base
     else:
         try:
-            base = _rss_bytes("VmRSS")
+            base = rss_bytes("VmRSS")
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM to the current resident set
             timings = [run(points, weights)]
-            peak = _rss_bytes("VmHWM") - base
+            peak = rss_bytes("VmHWM") - base
         except OSError:
             timings = [run(points, weights)]
     start = time.perf_counter()
@@ -295,39 +288,10 @@ def _ms(seconds: float) -> str:
     return f"{ms:.3g}" if ms < 1000 else f"{ms:,.0f}"
 
 
-def _mib(peak: int | None) -> str:
-    return "n/a" if peak is None else f"{peak / _MiB:,.1f}"
-
-
 def _cells(result: dict[str, Any]) -> list[str]:
     if "skipped" in result:
         return [result["skipped"], "", ""]
-    return [_ms(result["forward_s"]), _ms(result["gradient_s"]), _mib(result["peak_bytes"])]
-
-
-def _render(title: str, header: list[str], rows: list[list[str]]) -> tuple[Any, str]:
-    """A rich table and the same table as markdown."""
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    for name in header:
-        table.add_column(name, justify="left" if name in ("tessellation", "method") else "right")
-    for row in rows:
-        table.add_row(*row)
-    lines = [f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return table, "\n".join(lines) + "\n"
-
-
-def _device_name(device: str) -> str:
-    import platform
-
-    import torch
-
-    if device == "cuda":
-        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    cpu, threads = platform.processor() or platform.machine(), torch.get_num_threads()
-    return f"CPU {cpu} ({threads} thread{'' if threads == 1 else 's'}), torch {torch.__version__}"
+    return [_ms(result["forward_s"]), _ms(result["gradient_s"]), mib(result["peak_bytes"])]
 
 
 def cpab(
@@ -360,7 +324,7 @@ def cpab(
     else:
         memory = "peak resident set, in-process: rough"
     settings = (
-        f"{_device_name(device.value)}; float32, zero boundary, T = {plan.steps} steps (sweep aside), checkpoints "
+        f"{device_name(device.value)}; float32, zero boundary, T = {plan.steps} steps (sweep aside), checkpoints "
         f"every {_CHECKPOINT_EVERY} steps; sizes: {plan.title}. Times in ms, the best of up to {_MAX_RUNS} runs; peak "
         f"memory in MiB above the inputs ({memory}); gradient = the backward pass, or for forward sensitivity the "
         "whole sensitivity integration; skipped (cap) = predicted over the time or memory cap."
@@ -380,7 +344,7 @@ def cpab(
                 caps.record(case, result)
                 rows.append([name, f"{_dimension(ndim, cells):,}", METHOD_TITLES[method], *_cells(result)])
                 console.print("  " + "  ".join(rows[-1]).rstrip(), style="dim")
-        table, md = _render(f"{ndim}D, batch {batch}, {points:,} points, T = {plan.steps}", header, rows)
+        table, md = render(f"{ndim}D, batch {batch}, {points:,} points, T = {plan.steps}", header, rows)
         console.print(table)
         markdown += [md]
 
@@ -390,7 +354,7 @@ def cpab(
         case = Case(2, plan.sweep_cells, batch, points, steps, "factorized", device.value)
         rows.append([f"{points:,}", str(steps), *_cells(_run_case(case, plan))])
     title = f"factorized, 2D {plan.sweep_cells}x{plan.sweep_cells}, batch {batch}: time grows with N and T"
-    table, md = _render(title, ["N", "T", "forward ms", "gradient ms", "peak MiB"], rows)
+    table, md = render(title, ["N", "T", "forward ms", "gradient ms", "peak MiB"], rows)
     console.print(table)
     markdown += [md]
     if output is not None:

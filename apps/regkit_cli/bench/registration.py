@@ -28,7 +28,7 @@ from typing import Annotated, Any
 
 import typer
 
-from regkit_cli.bench.cpab import _device_name, _mib, _render, _rss_bytes
+from regkit_cli.bench._common import device_name, mib, render, rss_bytes
 
 SIZES = ("2mm", "1mm")
 _SHAPES = {"2mm": "99x117x95", "1mm": "197x233x189"}
@@ -79,7 +79,7 @@ def _measure(size: str, device: str, config: str) -> dict[str, Any]:
         torch.cuda.synchronize()
     else:
         try:
-            base = _rss_bytes("VmRSS")
+            base = rss_bytes("VmRSS")
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM to the current resident set
         except OSError:  # no /proc (not Linux): no CPU peak
@@ -89,7 +89,7 @@ def _measure(size: str, device: str, config: str) -> dict[str, Any]:
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    peak = result.peak_memory_bytes if cuda else None if base is None else _rss_bytes("VmHWM") - base
+    peak = result.peak_memory_bytes if cuda else None if base is None else rss_bytes("VmHWM") - base
     warped = result.warp(pair.moving_labels, mode="nearest")
     det = result.transform.jacobian_determinant(device=result.device).cpu()
     return {
@@ -172,7 +172,7 @@ def registration(
     console = Console()
     memory = "torch.cuda.max_memory_allocated" if device is Device.cuda else "growth of the peak resident set"
     settings = (
-        f"{_device_name(device.value)}; configuration `{config}`; time of `register()` alone (no I/O, no pair "
+        f"{device_name(device.value)}; configuration `{config}`; time of `register()` alone (no I/O, no pair "
         f"generation{', after one warm-up run' if device is Device.cuda else ''}); peak memory in MiB ({memory}); "
         "Dice: mean over the AAL labels, before and after; folds: fraction of non-positive Jacobian determinants."
     )
@@ -192,7 +192,7 @@ def registration(
                     _SHAPES[size],
                     f"{result['seconds']:.2f}",
                     stages,
-                    _mib(result["peak_bytes"]),
+                    mib(result["peak_bytes"]),
                     f"{result['dice_before']:.3f}",
                     f"{result['dice_after']:.3f}",
                     f"{result['folds']:.2g}",
@@ -200,7 +200,7 @@ def registration(
             )
         console.print("  " + "  ".join(rows[-1]), style="dim")
     title = f"whole registrations, {device.value}"
-    table, markdown = _render(title, header, rows)
+    table, markdown = render(title, header, rows)
     console.print(table)
     if output is not None:
         command = f"regkit bench registration --device {device.value} --sizes {','.join(chosen)}"

@@ -1,0 +1,47 @@
+"""Helpers shared by the ``regkit bench`` commands: memory readings, table rendering, device description."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MiB = 2**20
+
+
+def rss_bytes(field: str) -> int:
+    """``VmRSS`` / ``VmHWM`` (current / peak resident set) of this process, in bytes (Linux ``/proc``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def mib(peak: int | None) -> str:
+    """Bytes as MiB with one decimal, or ``n/a``."""
+    return "n/a" if peak is None else f"{peak / MiB:,.1f}"
+
+
+def render(title: str, header: list[str], rows: list[list[str]]) -> tuple[Any, str]:
+    """A rich table and the same table as markdown."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for name in header:
+        table.add_column(name, justify="left" if name in ("tessellation", "method") else "right")
+    for row in rows:
+        table.add_row(*row)
+    lines = [f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return table, "\n".join(lines) + "\n"
+
+
+def device_name(device: str) -> str:
+    """``"NVIDIA H200, torch 2.11"`` or ``"CPU x86_64 (2 threads), torch 2.13"``: what ran a benchmark."""
+    import platform
+
+    import torch
+
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    cpu, threads = platform.processor() or platform.machine(), torch.get_num_threads()
+    return f"CPU {cpu} ({threads} thread{'' if threads == 1 else 's'}), torch {torch.__version__}"
