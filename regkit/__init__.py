@@ -5,8 +5,19 @@ Conventions used throughout the package:
 * World coordinates are LPS millimetres, as in ITK (x grows to the patient's Left, y to Posterior, z to Superior).
 * Image tensors are stored in ITK index order reversed, i.e. ``array[z, y, x]`` (numpy/SimpleITK convention), while
   index and world *points* are given in (x, y, z) order.
+* Transformations map a fixed-space world point to the moving-space point where the moving image is sampled
+  (pull-back, as ITK's registration transforms).
+
+The main entry points are available at the top level and imported on first use, so that ``import regkit`` (and the
+CLI's ``--help``) stays light::
+
+    import regkit
+    fixed, moving = regkit.read_image("fixed.nii.gz"), regkit.read_image("moving.nii.gz")
+    result = regkit.register(fixed, moving, regkit.load_config("brain-mri-3d"))
+    regkit.write_outputs(result, "out/")
 """
 
+import importlib
 from importlib.metadata import PackageNotFoundError, version
 
 from regkit.errors import (
@@ -19,6 +30,24 @@ from regkit.errors import (
     RegkitError,
 )
 
+# Top-level name -> the module that defines it (imported lazily by __getattr__).
+_LAZY = {
+    "register": "regkit.engine",
+    "read_image": "regkit.io",
+    "write_image": "regkit.io",
+    "Image": "regkit.io",
+    "load_config": "regkit.config",
+    "write_outputs": "regkit.outputs",
+    "Transformation": "regkit.transform",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'regkit' has no attribute {name!r}")
+
+
 try:
     __version__ = version("regkit")
 except PackageNotFoundError:  # running from a source tree that was not installed
@@ -27,10 +56,17 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 __all__ = [
     "ConfigError",
     "GeometryError",
+    "Image",
     "ImageDimensionError",
     "ImageReadError",
     "ImageValueError",
     "ImageWriteError",
     "RegkitError",
+    "Transformation",
     "__version__",
+    "load_config",
+    "read_image",
+    "register",
+    "write_image",
+    "write_outputs",
 ]
