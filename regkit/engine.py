@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -276,7 +277,7 @@ def _optimize(
     previous, calm, iteration = None, 0, 0
     for iteration in range(1, max_iter + 1):
         ctx.check_stop()
-        optimizer.step(closure)
+        optimizer.step(cast(Callable[[], float], closure))  # torch types closures as returning float
         loss = last["loss"]
         if not np.isfinite(loss):
             raise RegkitError(
@@ -404,7 +405,7 @@ def _run_cpab(ctx: _Context, index: int, stage: CpabStage, matrix: np.ndarray, f
                     start_points = earlier.transform_world(start_points)
 
             parametrize.register_parametrization(flow, "theta", _Unwhiten(flow))
-            z = flow.parametrizations.theta.original
+            z = flow.get_parameter("parametrizations.theta.original")
 
             def objective(
                 level: _Level = level, flow: CPAB = flow, start_points: torch.Tensor = start_points, z=z
@@ -464,7 +465,7 @@ def register(
     for index, stage in enumerate(config.stages):
         if isinstance(stage, MomentsStage):
             begin = time.perf_counter()
-            matrix = moments_init(ctx.fixed_t, fixed.grid, ctx.moving_t, moving.grid, mode=stage.mode)
+            matrix = moments_init(ctx.fixed_t, fixed.grid, ctx.moving_t, moving.grid, mode=stage.mode).cpu().numpy()
             reports.append(StageReport(stage.type, seconds=round(time.perf_counter() - begin, 3)))
         elif isinstance(stage, CpabStage):
             new_flows, report = _run_cpab(ctx, index, stage, matrix, flows)

@@ -158,8 +158,8 @@ class Transformation:
             "cpab": [
                 {
                     "cells": list(flow.tess.shape),
-                    "lower": list(flow.tess.lower),
-                    "upper": list(flow.tess.upper),
+                    "lower": list(flow.tess.lower or ()),  # normalised to tuples by Tessellation
+                    "upper": list(flow.tess.upper or ()),
                     "origin": flow.origin.tolist(),
                     "direction": flow.direction.tolist(),
                     "boundary": flow.basis.boundary,
