@@ -404,6 +404,10 @@ from regkit_cli.demo import demo as _demo  # noqa: E402
 
 app.command("demo")(_demo)
 
+from regkit_cli.batch import batch as _batch  # noqa: E402
+
+app.command("batch")(_batch)
+
 app.add_typer(bench_app, name="bench")
 
 

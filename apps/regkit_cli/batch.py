@@ -1,0 +1,94 @@
+"""``regkit batch SPEC.yaml``: run the registrations of a batch spec (``regkit.batch``), resumable."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+class Executor(str, Enum):
+    local = "local"
+    dask = "dask"
+
+
+def _plan_table(plan, actions: list[str]):
+    from rich.table import Table
+
+    table = Table(title=f"{len(plan.jobs)} jobs -> {plan.root}")
+    for column in ("#", "fixed", "moving", "output", "config", "action"):
+        table.add_column(column)
+    for i, (job, action) in enumerate(zip(plan.jobs, actions, strict=True)):
+        table.add_row(
+            str(i), job.inputs["fixed"].name, job.inputs["moving"].name, job.name, job.config_hash[:8], action
+        )
+    return table
+
+
+def batch(
+    spec: Annotated[Path, typer.Argument(help="Batch spec (YAML): defaults, jobs/csv/glob, output, layout.")],
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Validate, print the plan as a table and write nothing.")
+    ] = False,
+    retry_failed: Annotated[bool, typer.Option("--retry-failed", help="Rerun jobs that failed before.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Rerun every job, even those done.")] = False,
+    executor: Annotated[
+        Executor, typer.Option(help="local: one job after another here; dask: a dask.distributed cluster.")
+    ] = Executor.local,
+    workers: Annotated[int, typer.Option(min=1, help="Worker processes of the dask LocalCluster.")] = 2,
+    scheduler: Annotated[
+        str | None, typer.Option(help="Address of a running dask scheduler (e.g. from dask-jobqueue) instead.")
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
+) -> None:
+    """Register every pair of SPEC into its own output folder, skipping jobs already done.
+
+    Everything is validated (schema, configurations, every input's header) before any work. The output root holds
+    manifest.sqlite (each job's state, inputs' sizes/mtimes, config hash, error, timings) and .batch.lock (a second
+    run on the same root is refused). A failing job is recorded and the others go on; the exit code is 1 if any job
+    failed (now or earlier and not retried).
+    """
+    from rich.console import Console
+
+    from regkit.batch import Manifest, load_spec, plan_actions, run_batch
+
+    plan = load_spec(spec)
+    if dry_run:
+        actions = plan_actions(plan, Manifest.read_only(plan.manifest), retry_failed, force)
+        Console(width=160).print(_plan_table(plan, actions))
+        return
+    total = len(plan.jobs)
+    count = 0
+
+    def show(outcome) -> None:
+        nonlocal count
+        count += 1
+        if quiet:
+            return
+        if outcome.state == "skipped":
+            status = f"skipped ({outcome.previous})"
+        else:
+            status = f"{outcome.state} in {outcome.seconds:.1f} s" + (f" on {outcome.device}" if outcome.device else "")
+        error = f": {outcome.error}" if outcome.error else ""
+        typer.echo(f"[{count}/{total}] {outcome.name}: {status}{error}")
+
+    report = run_batch(
+        plan,
+        executor=executor.value,
+        workers=workers,
+        scheduler=scheduler,
+        retry_failed=retry_failed,
+        force=force,
+        on_outcome=show,
+    )
+    failed = report.failed
+    if not quiet:
+        states = [o.state for o in report.outcomes]
+        typer.echo(
+            f"{states.count('done')} done, {states.count('skipped')} skipped, {len(failed)} failed; "
+            f"manifest {plan.manifest}"
+        )
+    if failed:
+        raise typer.Exit(1)

@@ -1,0 +1,716 @@
+"""Batch registration: many pairs from one YAML spec, run locally or on a dask.distributed cluster, resumable.
+
+A batch spec (YAML; every relative path is resolved against the spec file's folder)::
+
+    defaults: quick-2d                 # a preset name, a YAML config file, or a config mapping (may have `base:`)
+    output: results                    # the output root: manifest, lock and the job folders
+    layout: "{out}/{moving_stem}_to_{fixed_stem}"   # optional; fields: out, fixed_stem, moving_stem,
+                                                    # fixed_parent, moving_parent (folder names), index (0-based)
+    jobs:                              # explicit pairs; optional labels/masks and a per-job `config`
+      - {fixed: a.nii.gz, moving: b.nii.gz, moving_labels: b_seg.nii.gz, config: {seed: 3}}
+    csv: pairs.csv                     # columns fixed, moving [, fixed_labels, moving_labels, fixed_mask, moving_mask];
+                                       # the paths in it are relative to the CSV file's folder
+    glob:                              # one of three pairing rules
+      pairing: atlas                   # every image in `images` (moving) to `atlas` (fixed)
+      images: "data/*.nii.gz"
+      atlas: atlas.nii.gz
+      # pairing: within_folder         # every pair (a, b), a before b by name, of the `images` in one folder
+      # pairing: pattern               # `fixed` and `moving` globs; pairs whose `*` parts are equal
+      # fixed: "t1/*_t1.nii.gz"
+      # moving: "t2/*_t2.nii.gz"
+
+A per-job ``config`` that is a mapping is merged over ``defaults`` (mappings deeply); a string replaces it. Sources
+may be combined. :func:`load_spec` validates everything before any work: the schema (unknown keys, types), each job's
+registration configuration, each input (exists, header readable), globs that match nothing, and two jobs with one
+output folder; each problem is a :class:`~regkit.errors.ConfigError` ``FILE:LINE: key.path: message``.
+
+Running (:func:`run_batch`): the output root holds ``manifest.sqlite`` (SQLite in WAL mode; every write is one short
+transaction, so concurrent workers may write it) with each job's state (pending, running, done, failed), its inputs'
+sizes and mtimes, its configuration hash (:func:`regkit.config.config_hash`), its one-line error and its timings. A
+job is skipped when it is done with unchanged inputs and configuration and its output folder holds
+``transform.json`` (folders are written atomically by :func:`regkit.outputs.write_outputs`, so a folder that exists is
+complete, even after ``kill -9``); failed jobs are skipped unless ``retry_failed`` (or their inputs changed); ``force``
+reruns everything. A failing job is recorded and the others go on. ``.batch.lock`` in the output root is held with
+``fcntl.flock`` for the whole run: a second run on the same root is refused.
+
+Executors: ``local`` runs the jobs one after another in this process. ``dask`` runs each job as one task of
+:func:`run_job` (the same function) on a ``dask.distributed`` cluster: a ``LocalCluster`` with ``workers`` processes
+of one thread, or an existing scheduler at ``scheduler``. On SLURM or PBS, start the cluster with dask-jobqueue in a
+separate Python session that stays alive::
+
+    from dask_jobqueue import SLURMCluster      # or PBSCluster
+    cluster = SLURMCluster(cores=4, processes=1, memory="16GB", walltime="02:00:00",
+                           job_extra_directives=["--gres=gpu:1"])
+    cluster.scale(jobs=8)
+    print(cluster.scheduler_address)            # e.g. tcp://10.0.0.5:8786
+
+then ``regkit batch spec.yaml --executor dask --scheduler tcp://10.0.0.5:8786``. The workers must see the inputs and
+the output root at the same paths (a shared file system) and have regkit installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import fcntl
+import glob as globlib
+import json
+import os
+import socket
+import sqlite3
+import string
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from regkit.config import (
+    KeyPath,
+    RegistrationConfig,
+    Seq,
+    _first_error,
+    _format_path,
+    _invalid,
+    _Layer,
+    _merge,
+    _Model,
+    _open,
+    _parse,
+    _read_layers,
+    _resolve_paths,
+    config_hash,
+)
+from regkit.errors import ConfigError, RegkitError
+
+__all__ = [
+    "INPUT_KEYS",
+    "MANIFEST",
+    "BatchLockedError",
+    "BatchSpec",
+    "Job",
+    "JobOutcome",
+    "Manifest",
+    "Plan",
+    "load_spec",
+    "lock_output_root",
+    "plan_actions",
+    "run_batch",
+    "run_job",
+]
+
+INPUT_KEYS = ("fixed", "moving", "fixed_labels", "moving_labels", "fixed_mask", "moving_mask")
+"""The input files of a job, in the order they are listed and fingerprinted."""
+MANIFEST = "manifest.sqlite"
+_LOCK = ".batch.lock"
+_LAYOUT_FIELDS = {"out", "fixed_stem", "moving_stem", "fixed_parent", "moving_parent", "index"}
+_IMAGE_SUFFIXES = (".nii.gz", ".nii", ".mha", ".mhd", ".nrrd", ".nhdr", ".png")
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Spec schema
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class JobEntry(_Model):
+    """One explicit pair of the ``jobs`` list."""
+
+    fixed: str = Field(description="Fixed image: the grid and world space of the outputs.")
+    moving: str = Field(description="Moving image, registered to the fixed image.")
+    fixed_labels: str | None = Field(default=None, description="Label map of the fixed image (Dice, HD95).")
+    moving_labels: str | None = Field(default=None, description="Label map of the moving image, warped.")
+    fixed_mask: str | None = Field(default=None, description="Mask on the fixed grid.")
+    moving_mask: str | None = Field(default=None, description="Mask on the moving grid.")
+    config: str | dict[str, Any] | None = Field(
+        default=None, description="A preset/file replacing `defaults`, or a mapping merged over them."
+    )
+
+
+class GlobSpec(_Model):
+    """Jobs from glob patterns and a pairing rule."""
+
+    pairing: Literal["atlas", "within_folder", "pattern"] = Field(description="How images are paired.")
+    images: str | None = Field(default=None, description="Glob of the images (atlas, within_folder).")
+    atlas: str | None = Field(default=None, description="The fixed image of every pair (atlas).")
+    fixed: str | None = Field(default=None, description="Glob of the fixed images, one `*` (pattern).")
+    moving: str | None = Field(default=None, description="Glob of the moving images, one `*` (pattern).")
+
+    @model_validator(mode="after")
+    def _keys_of_rule(self) -> GlobSpec:
+        needed = {"atlas": ("images", "atlas"), "within_folder": ("images",), "pattern": ("fixed", "moving")}
+        for key in ("images", "atlas", "fixed", "moving"):
+            given = getattr(self, key) is not None
+            if given != (key in needed[self.pairing]):
+                verb = "needs" if not given else "does not use"
+                raise _invalid(f"pairing {self.pairing!r} {verb} {key!r}", (key,))
+        if self.pairing == "pattern":
+            for key in ("fixed", "moving"):
+                if Path(getattr(self, key)).name.count("*") != 1:
+                    raise _invalid("the file name must hold exactly one '*' (the part that pairs files)", (key,))
+        return self
+
+
+class BatchSpec(_Model):
+    """A batch of registrations: default configuration, job sources and output layout."""
+
+    defaults: str | dict[str, Any] = Field(description="A preset name, a config file, or a config mapping.")
+    output: str = Field(description="The output root folder.")
+    layout: str = Field(default="{out}/{moving_stem}_to_{fixed_stem}", description="Each job's output folder.")
+    jobs: Seq[JobEntry] = Field(default=(), description="Explicit pairs.")
+    csv: str | None = Field(default=None, description="A CSV of pairs (columns fixed, moving, ...).")
+    glob: GlobSpec | None = Field(default=None, description="Pairs from glob patterns.")
+
+    @field_validator("layout")
+    @classmethod
+    def _layout(cls, layout: str) -> str:
+        fields = {name for _, name, _, _ in string.Formatter().parse(layout) if name is not None}
+        unknown = fields - _LAYOUT_FIELDS
+        if unknown:
+            raise _invalid(f"unknown field {{{sorted(unknown)[0]}}} (fields: {', '.join(sorted(_LAYOUT_FIELDS))})")
+        if not layout.startswith("{out}/"):
+            raise _invalid("must start with {out}/ (job folders live in the output root)")
+        return layout
+
+    @model_validator(mode="after")
+    def _sources(self) -> BatchSpec:
+        if not self.jobs and self.csv is None and self.glob is None:
+            raise _invalid("no jobs: give `jobs`, `csv` or `glob`")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Plan
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """One registration of a plan: absolute input paths (None where not given), its configuration, its folder."""
+
+    name: str  # the output folder relative to the output root: the job's key in the manifest
+    inputs: dict[str, Path | None]  # INPUT_KEYS -> path
+    config: RegistrationConfig
+    out_dir: Path
+
+    @property
+    def config_hash(self) -> str:
+        """:func:`regkit.config.config_hash` of the job's configuration."""
+        return config_hash(self.config)
+
+    def fingerprint(self) -> str:
+        """The inputs' paths, sizes and modification times (ns), as JSON: what a rerun compares."""
+        stats = []
+        for key in INPUT_KEYS:
+            path = self.inputs[key]
+            if path is not None:
+                st = path.stat()
+                stats.append([key, str(path), st.st_size, st.st_mtime_ns])
+        return json.dumps(stats)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated batch: the spec file, the output root and the jobs in order."""
+
+    spec_path: Path
+    root: Path
+    jobs: list[Job]
+
+    @property
+    def manifest(self) -> Path:
+        """The manifest file of the output root."""
+        return self.root / MANIFEST
+
+
+def _stem(path: Path) -> str:
+    name = path.name
+    for suffix in _IMAGE_SUFFIXES:
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+@dataclass
+class _Draft:
+    """A job before its configuration is validated: inputs, where each was set, and its config override."""
+
+    inputs: dict[str, Path | None]
+    where: dict[str, str]  # input key -> 'FILE:LINE: key.path' for messages
+    config: str | dict[str, Any] | None = None
+    config_path: KeyPath = ()
+
+
+class _SpecReader:
+    """Turns a parsed spec layer into jobs, with a located message for every problem."""
+
+    def __init__(self, layer: _Layer, label: str, folder: Path) -> None:
+        self.layer, self.label, self.folder = layer, label, folder
+
+    def where(self, path: KeyPath) -> str:
+        """``FILE:LINE: key.path`` of ``path`` (or of its nearest parent that was set in the file)."""
+        found = next(path[:n] for n in range(len(path), -1, -1) if path[:n] in self.layer.origins)
+        label, line = self.layer.origins[found]
+        return f"{label}:{line}: {_format_path(path) or 'top level'}"
+
+    def path(self, value: str, base: Path | None = None) -> Path:
+        return Path(os.path.abspath((base or self.folder) / Path(value).expanduser()))
+
+    def glob(self, pattern: str, key: KeyPath) -> list[Path]:
+        matches = sorted(Path(p) for p in globlib.glob(str(self.path(pattern))))
+        if not matches:
+            raise ConfigError(f"{self.where(key)}: {pattern!r} matches no file")
+        return matches
+
+    def explicit(self, spec: BatchSpec) -> list[_Draft]:
+        drafts = []
+        for i, entry in enumerate(spec.jobs):
+            inputs = {k: None if getattr(entry, k) is None else self.path(getattr(entry, k)) for k in INPUT_KEYS}
+            where = {k: self.where(("jobs", i, k)) for k in INPUT_KEYS}
+            drafts.append(_Draft(inputs, where, entry.config, ("jobs", i, "config")))
+        return drafts
+
+    def from_csv(self, value: str) -> list[_Draft]:
+        csv_path = self.path(value)
+        where = self.where(("csv",))
+        try:
+            text = csv_path.read_text(encoding="utf-8")
+        except OSError as err:
+            raise ConfigError(f"{where}: cannot read {csv_path} ({err.strerror})") from None
+        reader = csv.DictReader(text.splitlines())
+        columns = reader.fieldnames or []
+        unknown = [c for c in columns if c not in INPUT_KEYS]
+        missing = [c for c in ("fixed", "moving") if c not in columns]
+        if unknown or missing:
+            problem = f"unknown column {unknown[0]!r}" if unknown else f"missing column {missing[0]!r}"
+            raise ConfigError(f"{csv_path}:1: {problem} (columns: {', '.join(INPUT_KEYS)})")
+        drafts = []
+        for row in reader:
+            line = reader.line_num
+            if not row.get("fixed") or not row.get("moving"):
+                raise ConfigError(f"{csv_path}:{line}: fixed and moving must both be given")
+            inputs = {k: self.path(row[k], csv_path.parent) if row.get(k) else None for k in INPUT_KEYS}
+            drafts.append(_Draft(inputs, {k: f"{csv_path}:{line}: {k}" for k in INPUT_KEYS}))
+        if not drafts:
+            raise ConfigError(f"{where}: {csv_path} lists no pairs")
+        return drafts
+
+    def from_glob(self, spec: GlobSpec) -> list[_Draft]:
+        def draft(fixed: Path, moving: Path, fkey: str, mkey: str) -> _Draft:
+            inputs: dict[str, Path | None] = dict.fromkeys(INPUT_KEYS)
+            inputs.update(fixed=fixed, moving=moving)
+            return _Draft(inputs, {"fixed": self.where(("glob", fkey)), "moving": self.where(("glob", mkey))})
+
+        if spec.pairing == "atlas":
+            atlas = self.path(spec.atlas)
+            return [draft(atlas, image, "atlas", "images") for image in self.glob(spec.images, ("glob", "images"))]
+        if spec.pairing == "within_folder":
+            folders: dict[Path, list[Path]] = {}
+            for image in self.glob(spec.images, ("glob", "images")):
+                folders.setdefault(image.parent, []).append(image)
+            return [
+                draft(a, b, "images", "images")
+                for images in folders.values()
+                for i, a in enumerate(images)
+                for b in images[i + 1 :]
+            ]
+        keyed = {}
+        for role in ("fixed", "moving"):
+            pattern = getattr(spec, role)
+            prefix, suffix = Path(pattern).name.split("*")
+            files = self.glob(pattern, ("glob", role))
+            keyed[role] = {f.name[len(prefix) : len(f.name) - len(suffix)]: f for f in files}
+        common = sorted(keyed["fixed"].keys() & keyed["moving"].keys())
+        if not common:
+            raise ConfigError(f"{self.where(('glob', 'pairing'))}: no fixed and moving files share a '*' part")
+        return [draft(keyed["fixed"][k], keyed["moving"][k], "fixed", "moving") for k in common]
+
+    def config_layer(self, value: str | dict[str, Any], key: KeyPath) -> _Layer:
+        """The configuration layer of a preset/file name or a mapping set at ``key`` in the spec."""
+        where = f"{self.where(key)}: "
+        if isinstance(value, str):
+            return _read_layers(_open(value, self.folder, where), ())
+        origins = {p[len(key) :]: o for p, o in self.layer.origins.items() if p[: len(key)] == key}
+        data = _resolve_paths(value, self.folder)
+        if "base" not in data:
+            return _Layer(data, origins)
+        ref = data.pop("base")
+        if not isinstance(ref, str):
+            raise ConfigError(f"{self.where((*key, 'base'))}: expected a preset name or a file path")
+        base = _read_layers(_open(ref, self.folder, f"{self.where((*key, 'base'))}: "), ())
+        return _merge(base, _Layer(data, {p: o for p, o in origins.items() if p[:1] != ("base",)}))
+
+
+def _validate_config(layer: _Layer) -> RegistrationConfig:
+    try:
+        return RegistrationConfig.model_validate(layer.data)
+    except ValidationError as err:
+        raise ConfigError(_first_error(err, layer)) from None
+
+
+def _check_input(path: Path, where: str) -> None:
+    """Raise a located :class:`ConfigError` unless ``path`` is a DICOM folder or an image whose header reads."""
+    import SimpleITK as sitk
+
+    from regkit.io import _format_of
+
+    if path.is_dir():
+        return
+    if not path.is_file():
+        raise ConfigError(f"{where}: no such file: {path}")
+    _format_of(path, lambda message: ConfigError(f"{where}: {message}"))  # type: ignore[arg-type]
+    reader = sitk.ImageFileReader()
+    reader.SetFileName(str(path))
+    try:
+        reader.ReadImageInformation()
+    except RuntimeError:
+        raise ConfigError(f"{where}: cannot read the image header of {path} (corrupt or not an image)") from None
+
+
+def load_spec(spec_path: str | os.PathLike) -> Plan:
+    """Read and validate a batch spec (module docstring) into a :class:`Plan`, checking every input's header.
+
+    Raises :class:`~regkit.errors.ConfigError` ``FILE:LINE: key.path: message`` on the first problem.
+    """
+    spec_path = Path(spec_path)
+    try:
+        text = spec_path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{spec_path}: no such file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{spec_path}: not a UTF-8 text file") from None
+    layer = _parse(text, str(spec_path))
+    try:
+        spec = BatchSpec.model_validate(layer.data)
+    except ValidationError as err:
+        raise ConfigError(_first_error(err, layer)) from None
+    folder = spec_path.parent.absolute()
+    reader = _SpecReader(layer, str(spec_path), folder)
+    drafts = reader.explicit(spec)
+    if spec.csv is not None:
+        drafts += reader.from_csv(spec.csv)
+    if spec.glob is not None:
+        drafts += reader.from_glob(spec.glob)
+
+    root = reader.path(spec.output)
+    defaults = reader.config_layer(spec.defaults, ("defaults",))
+    default_config = _validate_config(defaults)
+    checked: set[Path] = set()
+    seen: dict[Path, str] = {}
+    jobs = []
+    for index, draft in enumerate(drafts):
+        for key in INPUT_KEYS:
+            path = draft.inputs[key]
+            if path is not None and path not in checked:
+                _check_input(path, draft.where[key])
+                checked.add(path)
+        config = default_config
+        if draft.config is not None:
+            over = reader.config_layer(draft.config, draft.config_path)
+            config = _validate_config(over if isinstance(draft.config, str) else _merge(defaults, over))
+        fixed, moving = draft.inputs["fixed"], draft.inputs["moving"]
+        assert fixed is not None and moving is not None
+        out_dir = Path(
+            os.path.normpath(
+                spec.layout.format(
+                    out=root,
+                    fixed_stem=_stem(fixed),
+                    moving_stem=_stem(moving),
+                    fixed_parent=fixed.parent.name,
+                    moving_parent=moving.parent.name,
+                    index=index,
+                )
+            )
+        )
+        if out_dir == root or root not in out_dir.parents:
+            raise ConfigError(f"{reader.where(('layout',))}: {out_dir} is not a folder inside the output root {root}")
+        if out_dir in seen:
+            raise ConfigError(
+                f"{draft.where['moving']}: job {index} ({fixed.name}, {moving.name}) has the same output folder "
+                f"{out_dir} as {seen[out_dir]}; use a layout with more fields (e.g. {{index}} or {{fixed_parent}})"
+            )
+        seen[out_dir] = f"job {index} ({fixed.name}, {moving.name})"
+        jobs.append(Job(out_dir.relative_to(root).as_posix(), draft.inputs, config, out_dir))
+    return Plan(spec_path.absolute(), root, jobs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Manifest and lock
+# ---------------------------------------------------------------------------------------------------------------------
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    name TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    inputs TEXT NOT NULL,
+    config_hash TEXT NOT NULL,
+    error TEXT,
+    started REAL,
+    finished REAL,
+    seconds REAL,
+    device TEXT,
+    worker TEXT
+)
+"""
+
+
+class Manifest:
+    """The SQLite manifest of an output root: one row per job. Each method is one short transaction on its own
+    connection (WAL mode, busy timeout), so any number of processes may use one manifest at once."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @contextlib.contextmanager
+    def _connect(self) -> Iterator[sqlite3.Connection]:
+        con = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
+        try:
+            con.execute("PRAGMA journal_mode=WAL")
+            con.execute(_SCHEMA)
+            con.execute("BEGIN IMMEDIATE")
+            yield con
+            con.execute("COMMIT")
+        except BaseException:
+            if con.in_transaction:
+                con.execute("ROLLBACK")
+            raise
+        finally:
+            con.close()
+
+    def rows(self) -> dict[str, dict[str, Any]]:
+        """Every job's row, by name."""
+        with self._connect() as con:
+            con.row_factory = sqlite3.Row
+            return {row["name"]: dict(row) for row in con.execute("SELECT * FROM jobs")}
+
+    @staticmethod
+    def read_only(path: Path) -> dict[str, dict[str, Any]]:
+        """The rows of the manifest at ``path`` without writing anything (empty if there is none)."""
+        if not path.is_file():
+            return {}
+        con = sqlite3.connect(path.as_uri() + "?immutable=1", uri=True)
+        try:
+            con.row_factory = sqlite3.Row
+            return {row["name"]: dict(row) for row in con.execute("SELECT * FROM jobs")}
+        finally:
+            con.close()
+
+    def start(self, job: Job, worker: str) -> None:
+        """Record ``job`` as running now, with its inputs' fingerprint and configuration hash."""
+        with self._connect() as con:
+            con.execute(
+                "INSERT OR REPLACE INTO jobs (name, state, inputs, config_hash, started, worker) "
+                "VALUES (?, 'running', ?, ?, ?, ?)",
+                (job.name, job.fingerprint(), job.config_hash, time.time(), worker),
+            )
+
+    def finish(self, name: str, state: str, error: str | None, seconds: float, device: str | None) -> None:
+        """Record the end of a job: ``done`` or ``failed`` with its one-line error."""
+        with self._connect() as con:
+            con.execute(
+                "UPDATE jobs SET state = ?, error = ?, finished = ?, seconds = ?, device = ? WHERE name = ?",
+                (state, error, time.time(), seconds, device, name),
+            )
+
+    def mark_pending(self, jobs: list[Job]) -> None:
+        """Insert a pending row for each job the manifest does not hold yet."""
+        with self._connect() as con:
+            con.executemany(
+                "INSERT OR IGNORE INTO jobs (name, state, inputs, config_hash) VALUES (?, 'pending', ?, ?)",
+                [(job.name, job.fingerprint(), job.config_hash) for job in jobs],
+            )
+
+
+class BatchLockedError(RegkitError):
+    """Another batch run holds the output root's lock."""
+
+
+@contextlib.contextmanager
+def lock_output_root(root: Path) -> Iterator[Path]:
+    """Create ``root`` and hold ``root/.batch.lock`` (``fcntl.flock``, exclusive) while the block runs.
+
+    Raises :class:`BatchLockedError` naming the lock file if another process holds it.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    lock = root / _LOCK
+    with open(lock, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise BatchLockedError(
+                f"{lock} is held by {holder}: another regkit batch run uses this output root; wait for it to end"
+            ) from None
+        handle.truncate(0)
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        try:
+            yield lock
+        finally:
+            handle.truncate(0)
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def plan_actions(plan: Plan, rows: dict[str, dict[str, Any]], retry_failed: bool, force: bool) -> list[str]:
+    """What a run does with each job of ``plan`` given the manifest ``rows``: ``run``, ``skip (done)`` (done, inputs
+    and configuration unchanged, output folder complete) or ``skip (failed)`` (failed, unchanged, no ``retry_failed``).
+    """
+    actions = []
+    for job in plan.jobs:
+        row = rows.get(job.name)
+        unchanged = row is not None and row["inputs"] == job.fingerprint() and row["config_hash"] == job.config_hash
+        if force or not unchanged:
+            actions.append("run")
+        elif row["state"] == "done" and (job.out_dir / "transform.json").is_file():
+            actions.append("skip (done)")
+        elif row["state"] == "failed" and not retry_failed:
+            actions.append("skip (failed)")
+        else:
+            actions.append("run")
+    return actions
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """What happened to one job: ``done``, ``failed`` (with its one-line error) or ``skipped`` (with the earlier
+    state)."""
+
+    name: str
+    state: Literal["done", "failed", "skipped"]
+    error: str | None = None
+    seconds: float = 0.0
+    device: str | None = None
+    previous: str | None = None  # for skipped jobs: the manifest's state (done or failed)
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if isinstance(err, RegkitError) else f"{type(err).__name__}: {text}"
+
+
+def _register_job(job: Job) -> str:
+    """Read the job's inputs, register and write its output folder; returns the device used."""
+    from regkit.engine import register
+    from regkit.errors import ImageDimensionError
+    from regkit.io import read_image
+    from regkit.outputs import as_label_map, write_outputs
+
+    images = {key: read_image(path) for key, path in job.inputs.items() if path is not None}
+    ndim = images["fixed"].ndim
+    for key, image in images.items():
+        if image.ndim != ndim:
+            raise ImageDimensionError(f"{job.inputs[key]} is {image.ndim}D but {job.inputs['fixed']} is {ndim}D")
+    labels = {key: as_label_map(images[key], str(job.inputs[key])) for key in ("fixed_labels", "moving_labels")
+              if key in images}  # fmt: skip
+    result = register(
+        images["fixed"],
+        images["moving"],
+        job.config,
+        fixed_mask=images.get("fixed_mask"),
+        moving_mask=images.get("moving_mask"),
+    )
+    write_outputs(
+        result,
+        job.out_dir,
+        moving_labels=labels.get("moving_labels"),
+        fixed_labels=labels.get("fixed_labels"),
+        overwrite=True,
+    )
+    return result.device
+
+
+def run_job(job: Job, manifest: Path) -> JobOutcome:
+    """Run one job and record it in the manifest at ``manifest``: running, then done or failed with its one-line
+    error (any exception but KeyboardInterrupt, out-of-memory included). The one job runner of every executor."""
+    book = Manifest(manifest)
+    book.start(job, f"{socket.gethostname()}:{os.getpid()}")
+    start = time.perf_counter()
+    try:
+        device = _register_job(job)
+    except Exception as err:
+        error, seconds = _one_line(err), time.perf_counter() - start
+        book.finish(job.name, "failed", error, seconds, None)
+        return JobOutcome(job.name, "failed", error, seconds)
+    seconds = time.perf_counter() - start
+    book.finish(job.name, "done", None, seconds, str(device))
+    return JobOutcome(job.name, "done", None, seconds, str(device))
+
+
+def _run_dask(
+    jobs: list[Job], manifest: Path, workers: int, scheduler: str | None, report: Callable[[JobOutcome], None]
+) -> None:
+    try:
+        from dask.distributed import Client, LocalCluster, as_completed
+    except ImportError:
+        raise RegkitError(
+            "--executor dask needs dask.distributed: pip install 'regkit[dask]' (or 'dask[distributed]')"
+        ) from None
+    with contextlib.ExitStack() as stack:
+        if scheduler is None:
+            cluster = stack.enter_context(
+                LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None)
+            )
+            client = stack.enter_context(Client(cluster))
+        else:
+            client = stack.enter_context(Client(scheduler))
+        futures = client.map(run_job, jobs, manifest=manifest, pure=False)
+        for future in as_completed(futures):
+            report(future.result())
+
+
+@dataclass
+class BatchReport:
+    """The outcome of every job of a run, in completion order."""
+
+    outcomes: list[JobOutcome] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[JobOutcome]:
+        """Jobs that failed in this run, or earlier and were not retried."""
+        return [o for o in self.outcomes if o.state == "failed" or o.previous == "failed"]
+
+
+def run_batch(
+    plan: Plan,
+    *,
+    executor: Literal["local", "dask"] = "local",
+    workers: int = 1,
+    scheduler: str | None = None,
+    retry_failed: bool = False,
+    force: bool = False,
+    on_outcome: Callable[[JobOutcome], None] | None = None,
+) -> BatchReport:
+    """Run the jobs of ``plan`` that :func:`plan_actions` says to run, holding the output root's lock, and report
+    each outcome (also to ``on_outcome`` as it arrives). A failing job is recorded and the others go on."""
+    report = BatchReport()
+
+    def record(outcome: JobOutcome) -> None:
+        report.outcomes.append(outcome)
+        if on_outcome is not None:
+            on_outcome(outcome)
+
+    with lock_output_root(plan.root):
+        manifest = Manifest(plan.manifest)
+        rows = manifest.rows()
+        manifest.mark_pending(plan.jobs)
+        todo = []
+        for job, action in zip(plan.jobs, plan_actions(plan, rows, retry_failed, force), strict=True):
+            if action == "run":
+                todo.append(job)
+            else:
+                row = rows[job.name]
+                record(
+                    JobOutcome(job.name, "skipped", row["error"], row["seconds"] or 0.0, row["device"], row["state"])
+                )
+        if executor == "local":
+            for job in todo:
+                record(run_job(job, plan.manifest))
+        else:
+            _run_dask(todo, plan.manifest, workers, scheduler, record)
+    return report

@@ -1,0 +1,293 @@
+"""``regkit.batch``: spec validation with FILE:LINE, job sources, plan, manifest, resume, failure isolation, lock."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from regkit.batch import BatchLockedError, Manifest, load_spec, lock_output_root, plan_actions, run_batch
+from regkit.errors import ConfigError
+from regkit.io import Image, write_image
+from regkit.spatial.grid import Grid
+
+TINY_CONFIG = """\
+dim: 2
+device: cpu
+outputs: {inverse_displacement: false, transform_h5: false, qc_png: false}
+stages:
+  - {type: moments}
+  - type: cpab
+    similarity: {name: ncc}
+    pyramid: [{shrink: 1, smoothing: 0.0}]
+    optimizer: {iterations: 3, learning_rate: 0.2}
+    tessellation: [2]
+    steps: 5
+"""
+
+
+def blob(shift: float, size: int = 24) -> Image:
+    """A 2D image of two Gaussian blobs, the first one shifted by ``shift`` mm in x."""
+    grid = Grid.create((size, size), (1.0, 1.0), (0.0, 0.0))
+    p = grid.world_points(torch.float64)
+    a = torch.exp(-((p - torch.tensor([10.0 + shift, 12.0])) ** 2).sum(-1) / 20.0)
+    b = torch.exp(-((p - torch.tensor([16.0, 8.0])) ** 2).sum(-1) / 10.0)
+    return Image((a + 0.6 * b).float(), grid)
+
+
+def make_data(folder: Path, names: tuple[str, ...] = ("a", "b", "c")) -> dict[str, Path]:
+    """Images ``data/NAME.nii.gz`` and the tiny config ``tiny.yaml`` in ``folder``."""
+    (folder / "data").mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for i, name in enumerate(names):
+        paths[name] = folder / "data" / f"{name}.nii.gz"
+        write_image(blob(float(i)), paths[name])
+    (folder / "tiny.yaml").write_text(TINY_CONFIG)
+    return paths
+
+
+def corrupt(path: Path) -> None:
+    """Cut a .nii.gz file after its header: the header reads, the voxels do not."""
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+
+
+def write_spec(folder: Path, body: str) -> Path:
+    spec = folder / "batch.yaml"
+    spec.write_text(textwrap.dedent(body))
+    return spec
+
+
+LIST_SPEC = """\
+defaults: tiny.yaml
+output: out
+jobs:
+  - {fixed: data/a.nii.gz, moving: data/b.nii.gz}
+  - {fixed: data/a.nii.gz, moving: data/c.nii.gz}
+"""
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --- validation ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (
+            "defaults: tiny.yaml\noutput: out\njobz: []\n",
+            "batch.yaml:3: jobz: unknown key 'jobz'; did you mean 'jobs'?",
+        ),
+        ("defaults: tiny.yaml\noutput: out\n", "batch.yaml:1: top level: no jobs"),
+        (
+            "defaults: tiny.yaml\noutput: out\njobs:\n  - fixed: data/a.nii.gz\n    movin: data/b.nii.gz\n",
+            "batch.yaml:5: jobs[0].movin: unknown key",
+        ),
+        (
+            "defaults: tiny.yaml\noutput: out\njobs:\n  - {fixed: data/a.nii.gz, moving: data/nope.nii.gz}\n",
+            "batch.yaml:4: jobs[0].moving: no such file",
+        ),
+        (
+            "defaults: tiny.yaml\noutput: out\nglob: {pairing: atlas, atlas: data/a.nii.gz, images: 'x/*.nii.gz'}\n",
+            "batch.yaml:3: glob.images: 'x/*.nii.gz' matches no file",
+        ),
+        (
+            "defaults: tiny.yaml\noutput: out\nglob:\n  pairing: atlas\n  images: 'data/*.nii.gz'\n",
+            "glob.atlas: pairing 'atlas' needs 'atlas'",
+        ),
+        ("defaults: tiny.yaml\noutput: out\nlayout: '{out}/{stem}'\njobs: []\n", "batch.yaml:3: layout: unknown field"),
+        (
+            "defaults: tiny.yaml\noutput: out\nlayout: '{out}/{fixed_stem}'\n" + LIST_SPEC.split("output: out\n")[1],
+            "batch.yaml:6: jobs[1].moving: job 1 (a.nii.gz, c.nii.gz) has the same output folder",
+        ),
+        (
+            "defaults:\n  base: tiny.yaml\n  seed: -1\noutput: out\n" + LIST_SPEC.split("output: out\n")[1],
+            "batch.yaml:3: seed: must be >= 0",
+        ),
+        (
+            LIST_SPEC.replace("c.nii.gz}", "c.nii.gz, config: {stages: [{type: rigd}]}}"),
+            "batch.yaml:5: stages[0].type: unknown type 'rigd'",
+        ),
+        ("defaults: nopreset\noutput: out\n" + LIST_SPEC.split("output: out\n")[1], "batch.yaml:1: defaults: 'nopre"),
+    ],
+)
+def test_invalid_spec_names_key_and_line(tmp_path, body, expected):
+    make_data(tmp_path)
+    spec = write_spec(tmp_path, body)
+    with pytest.raises(ConfigError) as err:
+        load_spec(spec)
+    assert expected in str(err.value).replace(str(tmp_path) + "/", "")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreadable_header_fails_before_any_work(tmp_path):
+    make_data(tmp_path)
+    (tmp_path / "data" / "b.nii.gz").write_bytes(b"not an image")
+    with pytest.raises(ConfigError, match=r"batch.yaml:4: jobs\[0\].moving: cannot read the image header"):
+        load_spec(write_spec(tmp_path, LIST_SPEC))
+
+
+def test_job_sources(tmp_path):
+    paths = make_data(tmp_path, ("a", "b", "c"))
+    (tmp_path / "sub").mkdir()
+    write_image(blob(0.0), tmp_path / "sub" / "s1_t1.nii.gz")
+    write_image(blob(1.0), tmp_path / "sub" / "s1_t2.nii.gz")
+    write_image(blob(1.0), tmp_path / "sub" / "s9_t2.nii.gz")  # no partner: left out
+    (tmp_path / "pairs.csv").write_text("fixed,moving,moving_labels\ndata/a.nii.gz,data/b.nii.gz,\n")
+    spec = write_spec(
+        tmp_path,
+        """\
+        defaults: tiny.yaml
+        output: out
+        layout: "{out}/{index}_{moving_stem}_to_{fixed_stem}"
+        jobs:
+          - {fixed: data/b.nii.gz, moving: data/c.nii.gz, config: {seed: 4}}
+        csv: pairs.csv
+        glob: {pairing: pattern, fixed: "sub/*_t1.nii.gz", moving: "sub/*_t2.nii.gz"}
+        """,
+    )
+    plan = load_spec(spec)
+    pairs = [(j.inputs["fixed"].name, j.inputs["moving"].name) for j in plan.jobs]
+    assert pairs == [("b.nii.gz", "c.nii.gz"), ("a.nii.gz", "b.nii.gz"), ("s1_t1.nii.gz", "s1_t2.nii.gz")]
+    assert [j.name for j in plan.jobs] == ["0_c_to_b", "1_b_to_a", "2_s1_t2_to_s1_t1"]
+    assert plan.jobs[0].config.seed == 4 and plan.jobs[1].config.seed == 0
+    assert plan.jobs[0].config.stages == plan.jobs[1].config.stages
+    assert plan.jobs[1].inputs["fixed"] == paths["a"] and plan.jobs[1].inputs["moving_labels"] is None
+
+    atlas = write_spec(
+        tmp_path, "defaults: tiny.yaml\noutput: out\nglob: {pairing: atlas, atlas: data/a.nii.gz, images: 'sub/*'}\n"
+    )
+    assert [j.name for j in load_spec(atlas).jobs] == ["s1_t1_to_a", "s1_t2_to_a", "s9_t2_to_a"]
+    within = write_spec(
+        tmp_path, "defaults: tiny.yaml\noutput: out\nglob: {pairing: within_folder, images: 'data/*'}\n"
+    )
+    assert [j.name for j in load_spec(within).jobs] == ["b_to_a", "c_to_a", "c_to_b"]
+
+
+# --- running ---------------------------------------------------------------------------------------------------------
+
+
+def test_run_resume_failure_retry_force(tmp_path):
+    make_data(tmp_path)
+    spec = write_spec(tmp_path, LIST_SPEC)
+    corrupt(tmp_path / "data" / "c.nii.gz")
+    plan = load_spec(spec)  # the header still reads: the job fails only when it runs
+    report = run_batch(plan)
+    states = {o.name: o.state for o in report.outcomes}
+    assert states == {"b_to_a": "done", "c_to_a": "failed"}
+    assert [o.name for o in report.failed] == ["c_to_a"]
+    rows = Manifest(plan.manifest).rows()
+    assert rows["b_to_a"]["state"] == "done" and rows["b_to_a"]["device"] == "cpu"
+    assert "\n" not in rows["c_to_a"]["error"] and "c.nii.gz" in rows["c_to_a"]["error"]
+    assert (tmp_path / "out" / "b_to_a" / "transform.json").is_file()
+    assert not (tmp_path / "out" / "c_to_a").exists()
+
+    done_mtime = (tmp_path / "out" / "b_to_a" / "transform.json").stat().st_mtime_ns
+    again = run_batch(load_spec(spec))
+    assert [(o.state, o.previous) for o in again.outcomes] == [("skipped", "done"), ("skipped", "failed")]
+    assert len(again.failed) == 1
+
+    write_image(blob(2.0), tmp_path / "data" / "c.nii.gz")  # fixed input: changed inputs rerun without a flag
+    fixed = run_batch(load_spec(spec))
+    assert [o.state for o in fixed.outcomes] == ["skipped", "done"] and not fixed.failed
+    assert (tmp_path / "out" / "b_to_a" / "transform.json").stat().st_mtime_ns == done_mtime
+
+    corrupt(tmp_path / "data" / "c.nii.gz")
+    assert [o.state for o in run_batch(load_spec(spec)).outcomes] == ["skipped", "failed"]
+    assert [o.state for o in run_batch(load_spec(spec)).outcomes] == ["skipped", "skipped"]
+    retried = run_batch(load_spec(spec), retry_failed=True)  # unchanged inputs: run again, fail again
+    assert [o.state for o in retried.outcomes] == ["skipped", "failed"]
+
+    write_image(blob(2.0), tmp_path / "data" / "c.nii.gz")
+    forced = run_batch(load_spec(spec), force=True)
+    assert [o.state for o in forced.outcomes] == ["done", "done"]
+    assert (tmp_path / "out" / "b_to_a" / "transform.json").stat().st_mtime_ns != done_mtime
+
+
+def test_changed_config_or_missing_output_reruns(tmp_path):
+    make_data(tmp_path)
+    spec = write_spec(tmp_path, LIST_SPEC)
+    run_batch(load_spec(spec))
+    (tmp_path / "tiny.yaml").write_text(TINY_CONFIG.replace("steps: 5", "steps: 6"))
+    plan = load_spec(spec)
+    assert plan_actions(plan, Manifest(plan.manifest).rows(), False, False) == ["run", "run"]
+    run_batch(plan)
+    import shutil
+
+    shutil.rmtree(tmp_path / "out" / "c_to_a")
+    assert plan_actions(plan, Manifest(plan.manifest).rows(), False, False) == ["skip (done)", "run"]
+
+
+def test_dimension_mismatch_fails_alone(tmp_path):
+    make_data(tmp_path)
+    write_image(Image(torch.rand(6, 7, 8), Grid.create((8, 7, 6))), tmp_path / "data" / "c.nii.gz")
+    report = run_batch(load_spec(write_spec(tmp_path, LIST_SPEC)))
+    assert [o.state for o in report.outcomes] == ["done", "failed"]
+    assert "3D" in report.outcomes[1].error and "2D" in report.outcomes[1].error
+
+
+def test_second_run_on_the_same_root_is_refused(tmp_path):
+    make_data(tmp_path)
+    plan = load_spec(write_spec(tmp_path, LIST_SPEC))
+    with lock_output_root(plan.root) as lock:
+        code = f"from regkit.batch import *; run_batch(load_spec({str(plan.spec_path)!r}))"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and "BatchLockedError" in done.stderr and str(lock) in done.stderr
+        with pytest.raises(BatchLockedError, match=r"\.batch\.lock is held by pid"):
+            with lock_output_root(plan.root):  # a second open file description in this process is refused too
+                pass
+    assert not Manifest.read_only(plan.manifest)
+
+
+KILL_SPEC = """\
+defaults: tiny.yaml
+output: out
+jobs:
+  - {fixed: data/a.nii.gz, moving: data/b.nii.gz}
+  - {fixed: data/a.nii.gz, moving: data/c.nii.gz}
+  - {fixed: data/a.nii.gz, moving: data/d.nii.gz}
+  - {fixed: data/a.nii.gz, moving: data/e.nii.gz}
+"""
+
+
+def test_killed_run_resumes(tmp_path):
+    make_data(tmp_path, ("a", "b", "c", "d", "e"))
+    spec = write_spec(tmp_path, KILL_SPEC)
+    (tmp_path / "tiny.yaml").write_text(TINY_CONFIG.replace("iterations: 3", "iterations: 60"))  # jobs take a while
+    code = "from regkit.batch import *; import sys; run_batch(load_spec(sys.argv[1]))"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", code, str(spec)], env=env)
+    first = tmp_path / "out" / "b_to_a" / "transform.json"
+    deadline = time.monotonic() + 120
+    while not first.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert first.is_file()
+    plan = load_spec(spec)
+    rows = Manifest(plan.manifest).rows()
+    finished = {name for name, row in rows.items() if row["state"] == "done"}
+    assert "b_to_a" in finished or rows["b_to_a"]["state"] == "running"  # killed before or after its update
+    assert all((tmp_path / "out" / n / "transform.json").is_file() for n in finished)
+    assert not any(p.name.startswith(("c_to_a.tmp", "e_to_a")) and (p / "transform.json").exists()
+                   for p in (tmp_path / "out").iterdir())  # fmt: skip
+    assert len(finished) < 4  # killed mid-run
+    mtimes = {n: (tmp_path / "out" / n / "transform.json").stat().st_mtime_ns for n in finished}
+    report = run_batch(plan)
+    assert {o.name for o in report.outcomes if o.state == "skipped"} == finished
+    assert {o.state for o in report.outcomes} <= {"done", "skipped"} and len(report.outcomes) == 4
+    assert all((tmp_path / "out" / n / "transform.json").stat().st_mtime_ns == t for n, t in mtimes.items())
+    assert {row["state"] for row in Manifest(plan.manifest).rows().values()} == {"done"}
