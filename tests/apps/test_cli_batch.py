@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from regkit.batch import lock_output_root
+import json
+
+import pytest
+import torch
+
+from regkit.batch import MANIFEST, Manifest, lock_output_root
+from regkit.io import read_image
 from tests.apps.cli import run_cli
 from tests.core.test_batch import LIST_SPEC, corrupt, make_data, write_spec
 
@@ -42,3 +48,25 @@ def test_invalid_spec_and_lock_are_one_line_errors(tmp_path, capsys):
         assert run_cli(["batch", spec]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(lock) in err and "another regkit batch run" in err
+
+
+def test_local_and_dask_give_identical_outputs(tmp_path, capsys):
+    pytest.importorskip("dask.distributed")
+    make_data(tmp_path)
+    spec = write_spec(tmp_path, LIST_SPEC)
+    dask_spec = write_spec(tmp_path, LIST_SPEC.replace("output: out", "output: out_dask")).rename(tmp_path / "d.yaml")
+    spec = write_spec(tmp_path, LIST_SPEC)
+    assert run_cli(["batch", spec]) == 0
+    assert run_cli(["batch", dask_spec, "--executor", "dask", "--workers", "2"]) == 0
+    assert "2 done, 0 skipped, 0 failed" in capsys.readouterr().out
+    rows = Manifest(tmp_path / "out_dask" / MANIFEST).rows()
+    assert {row["state"] for row in rows.values()} == {"done"}
+    assert len({row["worker"] for row in rows.values()}) == 2  # one job per worker process
+    for job in ("b_to_a", "c_to_a"):
+        local = json.loads((tmp_path / "out" / job / "transform.json").read_text())
+        remote = json.loads((tmp_path / "out_dask" / job / "transform.json").read_text())
+        assert local == remote
+        for name in ("warped.nii.gz", "jacobian.nii.gz"):
+            a = read_image(tmp_path / "out" / job / name).data
+            b = read_image(tmp_path / "out_dask" / job / name).data
+            assert torch.equal(a, b), f"{job}/{name}: max difference {float((a - b).abs().max())}"

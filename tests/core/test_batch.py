@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from regkit.batch import BatchLockedError, Manifest, load_spec, lock_output_root, plan_actions, run_batch
-from regkit.errors import ConfigError
+from regkit.errors import ConfigError, RegkitError
 from regkit.io import Image, write_image
 from regkit.spatial.grid import Grid
 
@@ -291,3 +291,11 @@ def test_killed_run_resumes(tmp_path):
     assert {o.state for o in report.outcomes} <= {"done", "skipped"} and len(report.outcomes) == 4
     assert all((tmp_path / "out" / n / "transform.json").stat().st_mtime_ns == t for n, t in mtimes.items())
     assert {row["state"] for row in Manifest(plan.manifest).rows().values()} == {"done"}
+
+
+def test_dask_executor_without_dask_is_a_clear_error(tmp_path, monkeypatch):
+    make_data(tmp_path)
+    plan = load_spec(write_spec(tmp_path, LIST_SPEC))
+    monkeypatch.setitem(sys.modules, "dask.distributed", None)  # import fails as if dask were not installed
+    with pytest.raises(RegkitError, match=r"pip install 'regkit\[dask\]'"):
+        run_batch(plan, executor="dask")
