@@ -56,6 +56,7 @@ import fcntl
 import glob as globlib
 import json
 import os
+import shutil
 import socket
 import sqlite3
 import string
@@ -659,9 +660,16 @@ def _run_dask(
             client = stack.enter_context(Client(cluster))
         else:
             client = stack.enter_context(Client(scheduler))
-        futures = client.map(run_job, jobs, manifest=manifest, pure=False)
+        futures = {client.submit(run_job, job, manifest, pure=False): job for job in jobs}
         for future in as_completed(futures):
-            report(future.result())
+            job = futures[future]
+            try:
+                outcome = future.result()
+            except Exception as err:  # the worker died (e.g. killed for memory) before run_job could record it
+                error = _one_line(err)
+                Manifest(manifest).finish(job.name, "failed", error, 0.0, None)
+                outcome = JobOutcome(job.name, "failed", error)
+            report(outcome)
 
 
 @dataclass
@@ -708,6 +716,9 @@ def run_batch(
                 record(
                     JobOutcome(job.name, "skipped", row["error"], row["seconds"] or 0.0, row["device"], row["state"])
                 )
+        for job in todo:  # partial outputs of runs killed while writing (write_outputs' temporary folders)
+            for tmp in job.out_dir.parent.glob(f"{globlib.escape(job.out_dir.name)}.tmp-*"):
+                shutil.rmtree(tmp, ignore_errors=True)
         if executor == "local":
             for job in todo:
                 record(run_job(job, plan.manifest))

@@ -286,7 +286,9 @@ def test_killed_run_resumes(tmp_path):
                    for p in (tmp_path / "out").iterdir())  # fmt: skip
     assert len(finished) < 4  # killed mid-run
     mtimes = {n: (tmp_path / "out" / n / "transform.json").stat().st_mtime_ns for n in finished}
+    (tmp_path / "out" / "e_to_a.tmp-99999").mkdir()  # as a run killed while writing leaves it
     report = run_batch(plan)
+    assert not list((tmp_path / "out").glob("*.tmp-*"))
     assert {o.name for o in report.outcomes if o.state == "skipped"} == finished
     assert {o.state for o in report.outcomes} <= {"done", "skipped"} and len(report.outcomes) == 4
     assert all((tmp_path / "out" / n / "transform.json").stat().st_mtime_ns == t for n, t in mtimes.items())
