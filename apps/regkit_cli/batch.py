@@ -19,7 +19,7 @@ def _plan_table(plan, actions: list[str]):
 
     table = Table(title=f"{len(plan.jobs)} jobs -> {plan.root}")
     for column in ("#", "fixed", "moving", "output", "config", "action"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     for i, (job, action) in enumerate(zip(plan.jobs, actions, strict=True)):
         table.add_row(
             str(i), job.inputs["fixed"].name, job.inputs["moving"].name, job.name, job.config_hash[:8], action
