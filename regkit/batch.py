@@ -205,8 +205,11 @@ class Job:
         for key in INPUT_KEYS:
             path = self.inputs[key]
             if path is not None:
-                st = path.stat()
-                stats.append([key, str(path), st.st_size, st.st_mtime_ns])
+                try:
+                    st = path.stat()
+                    stats.append([key, str(path), st.st_size, st.st_mtime_ns])
+                except FileNotFoundError:  # removed since the plan was made: the job fails when it reads it
+                    stats.append([key, str(path), None, None])
         return json.dumps(stats)
 
 
@@ -353,13 +356,17 @@ def _check_input(path: Path, where: str) -> None:
     """Raise a located :class:`ConfigError` unless ``path`` is a DICOM folder or an image whose header reads."""
     import SimpleITK as sitk
 
+    from regkit.errors import ImageReadError
     from regkit.io import _format_of
 
     if path.is_dir():
         return
     if not path.is_file():
         raise ConfigError(f"{where}: no such file: {path}")
-    _format_of(path, lambda message: ConfigError(f"{where}: {message}"))  # type: ignore[arg-type]
+    try:
+        _format_of(path, ImageReadError)
+    except ImageReadError as err:
+        raise ConfigError(f"{where}: {err}") from None
     reader = sitk.ImageFileReader()
     reader.SetFileName(str(path))
     try:
@@ -607,8 +614,7 @@ def _register_job(job: Job) -> str:
     for key, image in images.items():
         if image.ndim != ndim:
             raise ImageDimensionError(f"{job.inputs[key]} is {image.ndim}D but {job.inputs['fixed']} is {ndim}D")
-    labels = {key: as_label_map(images[key], str(job.inputs[key])) for key in ("fixed_labels", "moving_labels")
-              if key in images}  # fmt: skip
+    labels = {key: as_label_map(images[key], str(job.inputs[key])) for key in images if key.endswith("_labels")}
     result = register(
         images["fixed"],
         images["moving"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -301,3 +302,32 @@ def test_dask_executor_without_dask_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "dask.distributed", None)  # import fails as if dask were not installed
     with pytest.raises(RegkitError, match=r"pip install 'regkit\[dask\]'"):
         run_batch(plan, executor="dask")
+
+
+def test_labels_and_masks_from_csv_reach_the_outputs(tmp_path):
+    make_data(tmp_path, ("a", "b"))
+    for name, shift in (("a", 0.0), ("b", 1.0)):
+        image = blob(shift)
+        write_image(Image((image.data > 0.4).to(torch.int16), image.grid), tmp_path / "data" / f"{name}_seg.nii.gz")
+    (tmp_path / "pairs.csv").write_text(
+        "fixed,moving,fixed_labels,moving_labels,fixed_mask\n"
+        "data/a.nii.gz,data/b.nii.gz,data/a_seg.nii.gz,data/b_seg.nii.gz,data/a_seg.nii.gz\n"
+    )
+    report = run_batch(load_spec(write_spec(tmp_path, "defaults: tiny.yaml\noutput: out\ncsv: pairs.csv\n")))
+    assert [o.state for o in report.outcomes] == ["done"]
+    assert (tmp_path / "out" / "b_to_a" / "warped_labels.nii.gz").is_file()
+    metrics = json.loads((tmp_path / "out" / "b_to_a" / "metrics.json").read_text())
+    assert metrics["labels"]["mean_dice_after"] is not None
+
+
+def test_unknown_extension_and_bad_csv_are_located(tmp_path):
+    make_data(tmp_path)
+    (tmp_path / "data" / "x.txt").write_text("hello")
+    with pytest.raises(ConfigError, match=r"batch.yaml:4: jobs\[0\].moving: .*unknown image extension .txt"):
+        load_spec(write_spec(tmp_path, LIST_SPEC.replace("b.nii.gz", "x.txt")))
+    (tmp_path / "pairs.csv").write_text("fixed,moving,labels\ndata/a.nii.gz,data/b.nii.gz,\n")
+    with pytest.raises(ConfigError, match=r"pairs.csv:1: unknown column 'labels'"):
+        load_spec(write_spec(tmp_path, "defaults: tiny.yaml\noutput: out\ncsv: pairs.csv\n"))
+    (tmp_path / "pairs.csv").write_text("fixed,moving\ndata/a.nii.gz,data/b.nii.gz\ndata/a.nii.gz,data/nope.nii.gz\n")
+    with pytest.raises(ConfigError, match=r"pairs.csv:3: moving: no such file"):
+        load_spec(write_spec(tmp_path, "defaults: tiny.yaml\noutput: out\ncsv: pairs.csv\n"))
