@@ -496,7 +496,10 @@ class Manifest:
         """The rows of the manifest at ``path`` without writing anything (empty if there is none)."""
         if not path.is_file():
             return {}
-        con = sqlite3.connect(path.as_uri() + "?immutable=1", uri=True)
+        # immutable: no lock or -shm file is created; but a run killed with kill -9 leaves committed rows in the
+        # -wal file, which only a (read-only) WAL reader sees
+        wal = path.with_name(path.name + "-wal").exists()
+        con = sqlite3.connect(path.as_uri() + ("?mode=ro" if wal else "?immutable=1"), uri=True)
         try:
             con.row_factory = sqlite3.Row
             return {row["name"]: dict(row) for row in con.execute("SELECT * FROM jobs")}
