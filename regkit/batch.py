@@ -30,7 +30,8 @@ sizes and mtimes, its configuration hash (:func:`regkit.config.config_hash`), it
 job is skipped when it is done with unchanged inputs and configuration and its output folder holds
 ``transform.json`` (folders are written atomically by :func:`regkit.outputs.write_outputs`, so a folder that exists is
 complete, even after ``kill -9``); failed jobs are skipped unless ``retry_failed`` (or their inputs changed); ``force``
-reruns everything. A failing job is recorded and the others go on. ``.batch.lock`` in the output root is held with
+reruns everything. A failing job is recorded and the others go on. At the end of a run, ``summary.csv`` in the
+output root has one row per job (:data:`SUMMARY_COLUMNS`). ``.batch.lock`` in the output root is held with
 ``fcntl.flock`` for the whole run: a second run on the same root is refused.
 
 Executors: ``local`` runs the jobs one after another in this process. ``dask`` runs each job as one task of
@@ -89,6 +90,7 @@ from regkit.errors import ConfigError, RegkitError
 __all__ = [
     "INPUT_KEYS",
     "MANIFEST",
+    "SUMMARY_COLUMNS",
     "BatchLockedError",
     "BatchSpec",
     "Job",
@@ -100,6 +102,7 @@ __all__ = [
     "plan_actions",
     "run_batch",
     "run_job",
+    "write_summary",
 ]
 
 INPUT_KEYS = ("fixed", "moving", "fixed_labels", "moving_labels", "fixed_mask", "moving_mask")
@@ -733,4 +736,53 @@ def run_batch(
                 record(run_job(job, plan.manifest))
         else:
             _run_dask(todo, plan.manifest, workers, scheduler, record)
+        write_summary(plan, manifest.rows())
     return report
+
+
+SUMMARY_COLUMNS = (
+    "name",
+    "fixed",
+    "moving",
+    "state",
+    "seconds",
+    "device",
+    "mean_dice_before",
+    "mean_dice_after",
+    "jacobian_fraction_nonpositive",
+    "sdlogj",
+    "error",
+)
+"""Columns of ``summary.csv``: the manifest's state, runtime (s) and device, and metrics from each ``metrics.json``."""
+
+
+def write_summary(plan: Plan, rows: dict[str, dict[str, Any]]) -> Path:
+    """Write ``summary.csv`` in the output root (atomically): one row per job of ``plan``, in plan order."""
+    path = plan.root / "summary.csv"
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, SUMMARY_COLUMNS)
+        writer.writeheader()
+        for job in plan.jobs:
+            row = rows.get(job.name, {})
+            metrics: dict[str, Any] = {}
+            if row.get("state") == "done" and (job.out_dir / "metrics.json").is_file():
+                metrics = json.loads((job.out_dir / "metrics.json").read_text())
+            labels, jacobian = metrics.get("labels") or {}, metrics.get("jacobian") or {}
+            writer.writerow(
+                {
+                    "name": job.name,
+                    "fixed": job.inputs["fixed"],
+                    "moving": job.inputs["moving"],
+                    "state": row.get("state", "pending"),
+                    "seconds": None if row.get("seconds") is None else round(row["seconds"], 3),
+                    "device": row.get("device"),
+                    "mean_dice_before": labels.get("mean_dice_before"),
+                    "mean_dice_after": labels.get("mean_dice_after"),
+                    "jacobian_fraction_nonpositive": jacobian.get("fraction_nonpositive"),
+                    "sdlogj": jacobian.get("sdlogj"),
+                    "error": row.get("error"),
+                }
+            )
+    os.replace(tmp, path)
+    return path

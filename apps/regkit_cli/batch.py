@@ -59,12 +59,22 @@ def batch(
         actions = plan_actions(plan, Manifest.read_only(plan.manifest), retry_failed, force)
         Console(width=160).print(_plan_table(plan, actions))
         return
-    total = len(plan.jobs)
-    count = 0
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("batch"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=quiet,
+    )
+    task = bar.add_task("batch", total=len(plan.jobs))
 
     def show(outcome) -> None:
-        nonlocal count
-        count += 1
+        if not bar.live.is_started:  # only once the run holds the lock: an error before prints one line
+            bar.start()
+        bar.advance(task)
         if quiet:
             return
         if outcome.state == "skipped":
@@ -72,23 +82,27 @@ def batch(
         else:
             status = f"{outcome.state} in {outcome.seconds:.1f} s" + (f" on {outcome.device}" if outcome.device else "")
         error = f": {outcome.error}" if outcome.error else ""
-        typer.echo(f"[{count}/{total}] {outcome.name}: {status}{error}")
+        bar.console.print(f"{outcome.name}: {status}{error}", markup=False, highlight=False, soft_wrap=True)
 
-    report = run_batch(
-        plan,
-        executor=executor.value,
-        workers=workers,
-        scheduler=scheduler,
-        retry_failed=retry_failed,
-        force=force,
-        on_outcome=show,
-    )
+    try:
+        report = run_batch(
+            plan,
+            executor=executor.value,
+            workers=workers,
+            scheduler=scheduler,
+            retry_failed=retry_failed,
+            force=force,
+            on_outcome=show,
+        )
+    finally:
+        if bar.live.is_started:
+            bar.stop()
     failed = report.failed
     if not quiet:
         states = [o.state for o in report.outcomes]
         typer.echo(
             f"{states.count('done')} done, {states.count('skipped')} skipped, {len(failed)} failed; "
-            f"manifest {plan.manifest}"
+            f"summary {plan.root / 'summary.csv'}"
         )
     if failed:
         raise typer.Exit(1)

@@ -28,8 +28,9 @@ def test_failed_job_gives_exit_code_1_and_rerun_skips(tmp_path, capsys):
     spec = write_spec(tmp_path, LIST_SPEC)
     corrupt(tmp_path / "data" / "c.nii.gz")
     assert run_cli(["batch", spec]) == 1
-    out = capsys.readouterr().out
-    assert "b_to_a: done" in out and "c_to_a: failed" in out and "1 done, 0 skipped, 1 failed" in out
+    captured = capsys.readouterr()  # per-job lines with the progress bar on stderr, the summary on stdout
+    assert "b_to_a: done" in captured.err and "c_to_a: failed" in captured.err and "c.nii.gz" in captured.err
+    assert "1 done, 0 skipped, 1 failed" in captured.out
     assert run_cli(["batch", spec]) == 1  # the failure stays until retried
     assert "0 done, 2 skipped, 1 failed" in capsys.readouterr().out
     assert run_cli(["batch", spec, "--dry-run"]) == 0

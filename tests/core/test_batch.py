@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -195,6 +196,12 @@ def test_run_resume_failure_retry_force(tmp_path):
     assert "\n" not in rows["c_to_a"]["error"] and "c.nii.gz" in rows["c_to_a"]["error"]
     assert (tmp_path / "out" / "b_to_a" / "transform.json").is_file()
     assert not (tmp_path / "out" / "c_to_a").exists()
+    with open(tmp_path / "out" / "summary.csv", newline="") as handle:
+        summary = list(csv.DictReader(handle))
+    expected = [("b_to_a", "done", "cpu"), ("c_to_a", "failed", "")]
+    assert [(r["name"], r["state"], r["device"]) for r in summary] == expected
+    assert float(summary[0]["seconds"]) > 0 and summary[0]["jacobian_fraction_nonpositive"] != ""
+    assert summary[1]["error"] == rows["c_to_a"]["error"]
 
     done_mtime = (tmp_path / "out" / "b_to_a" / "transform.json").stat().st_mtime_ns
     again = run_batch(load_spec(spec))
@@ -318,7 +325,9 @@ def test_labels_and_masks_from_csv_reach_the_outputs(tmp_path):
     assert [o.state for o in report.outcomes] == ["done"]
     assert (tmp_path / "out" / "b_to_a" / "warped_labels.nii.gz").is_file()
     metrics = json.loads((tmp_path / "out" / "b_to_a" / "metrics.json").read_text())
-    assert metrics["labels"]["mean_dice_after"] is not None
+    with open(tmp_path / "out" / "summary.csv", newline="") as handle:
+        (summary,) = csv.DictReader(handle)
+    assert float(summary["mean_dice_after"]) == pytest.approx(metrics["labels"]["mean_dice_after"])
 
 
 def test_unknown_extension_and_bad_csv_are_located(tmp_path):
