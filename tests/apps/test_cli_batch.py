@@ -71,3 +71,13 @@ def test_local_and_dask_give_identical_outputs(tmp_path, capsys):
             a = read_image(tmp_path / "out" / job / name).data
             b = read_image(tmp_path / "out_dask" / job / name).data
             assert torch.equal(a, b), f"{job}/{name}: max difference {float((a - b).abs().max())}"
+
+
+def test_dask_scheduler_address(tmp_path, capsys):
+    distributed = pytest.importorskip("dask.distributed")
+    make_data(tmp_path)
+    spec = write_spec(tmp_path, LIST_SPEC)
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as c:
+        assert run_cli(["batch", spec, "--executor", "dask", "--scheduler", c.scheduler_address]) == 0
+    assert "2 done, 0 skipped, 0 failed" in capsys.readouterr().out
+    assert {row["state"] for row in Manifest(tmp_path / "out" / MANIFEST).rows().values()} == {"done"}
