@@ -251,8 +251,8 @@ class _Draft:
 class _SpecReader:
     """Turns a parsed spec layer into jobs, with a located message for every problem."""
 
-    def __init__(self, layer: _Layer, label: str, folder: Path) -> None:
-        self.layer, self.label, self.folder = layer, label, folder
+    def __init__(self, layer: _Layer, folder: Path) -> None:
+        self.layer, self.folder = layer, folder
 
     def where(self, path: KeyPath) -> str:
         """``FILE:LINE: key.path`` of ``path`` (or of its nearest parent that was set in the file)."""
@@ -261,6 +261,7 @@ class _SpecReader:
         return f"{label}:{line}: {_format_path(path) or 'top level'}"
 
     def path(self, value: str, base: Path | None = None) -> Path:
+        """``value`` as an absolute path, relative to ``base`` (default: the spec's folder)."""
         return Path(os.path.abspath((base or self.folder) / Path(value).expanduser()))
 
     def glob(self, pattern: str, key: KeyPath) -> list[Path]:
@@ -396,7 +397,7 @@ def load_spec(spec_path: str | os.PathLike) -> Plan:
     except ValidationError as err:
         raise ConfigError(_first_error(err, layer)) from None
     folder = spec_path.parent.absolute()
-    reader = _SpecReader(layer, str(spec_path), folder)
+    reader = _SpecReader(layer, folder)
     drafts = reader.explicit(spec)
     if spec.csv is not None:
         drafts += reader.from_csv(spec.csv)
