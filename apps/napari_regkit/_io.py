@@ -1,0 +1,127 @@
+"""The plugin's reader, writers and sample data (npe2 commands, see ``napari.yaml``), built on :mod:`regkit.io`.
+
+Layers are placed in the napari world of :mod:`napari_regkit._logic`: LPS millimetres in (z, y, x) order, with the
+``affine`` of :func:`~napari_regkit._logic.napari_affine` mapping the data coordinates ``(k, j, i)`` to it, so oblique
+and flipped (LAS, RAS, ...) images keep their physical position and overlay correctly. napari is not imported here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import SimpleITK as sitk
+import torch
+
+from napari_regkit._logic import grid_from_napari_affine, napari_affine
+from regkit.io import SUPPORTED_EXTENSIONS, Image, read_image, write_image
+
+if TYPE_CHECKING:
+    from napari.types import LayerData
+
+    from regkit.demo import DemoPair
+
+__all__ = ["demo_pair_layers", "image_layer", "napari_get_reader", "pair_layers", "read_layers", "write_image_layer"]
+
+# Integer images with at most this many distinct values open as Labels layers.
+MAX_LABELS = 1000
+_READER_EXTENSIONS = tuple(ext for ext in SUPPORTED_EXTENSIONS if ext != ".png")
+
+
+def _is_dicom_folder(path: Path) -> bool:
+    return path.is_dir() and bool(sitk.ImageSeriesReader.GetGDCMSeriesIDs(str(path)))
+
+
+def napari_get_reader(path: str | Sequence[str]) -> Callable[[str | Sequence[str]], list[LayerData]] | None:
+    """The reader for ``path`` (a NIfTI, MetaImage or NRRD file, a DICOM folder, or a list of them), or None when
+    regkit cannot read it, so that napari asks another plugin."""
+    paths = [path] if isinstance(path, str | os.PathLike) else list(path)
+    for item in map(Path, paths):
+        if not (item.name.lower().endswith(_READER_EXTENSIONS) or _is_dicom_folder(item)):
+            return None
+    return read_layers
+
+
+def _layer_name(path: Path) -> str:
+    name = path.name
+    for ext in SUPPORTED_EXTENSIONS:
+        if name.lower().endswith(ext):
+            return name[: -len(ext)]
+    return name
+
+
+def image_layer(image: Image, name: str, labels: bool | None = None) -> LayerData:
+    """``(data, {"affine", "name"}, layer type)`` for ``image``: data the ``[z, y, x]`` numpy array, affine from
+    :func:`~napari_regkit._logic.napari_affine`. The type is ``"labels"`` if ``labels`` is True, ``"image"`` if
+    False; None guesses: integer images with at most ``MAX_LABELS`` distinct values are labels."""
+    if labels is None:
+        labels = not image.data.is_floating_point() and image.data.unique().numel() <= MAX_LABELS
+    return image.data.numpy(), {"affine": napari_affine(image.grid), "name": name}, "labels" if labels else "image"
+
+
+def read_layers(path: str | Sequence[str]) -> list[LayerData]:
+    """Read each file or DICOM folder with :func:`regkit.io.read_image` into one layer (see :func:`image_layer`),
+    named after the file without its extension."""
+    paths = [path] if isinstance(path, str | os.PathLike) else list(path)
+    return [image_layer(read_image(item), _layer_name(Path(item))) for item in paths]
+
+
+def _data_to_world(meta: dict[str, Any], ndim: int) -> np.ndarray:
+    """napari's full data-to-world matrix of a layer: ``affine @ translate @ rotate @ shear @ scale``."""
+
+    def homogeneous(linear: np.ndarray | None = None, shift: np.ndarray | None = None) -> np.ndarray:
+        m = np.eye(ndim + 1)
+        if linear is not None:
+            m[:ndim, :ndim] = linear
+        if shift is not None:
+            m[:ndim, ndim] = shift
+        return m
+
+    affine = np.asarray(meta.get("affine", np.eye(ndim + 1)), dtype=np.float64)
+    if affine.shape == (ndim, ndim):
+        affine = homogeneous(affine)
+    shear = np.eye(ndim)
+    shear[np.triu_indices(ndim, 1)] = meta.get("shear", np.zeros(ndim * (ndim - 1) // 2))
+    return (
+        affine
+        @ homogeneous(shift=np.asarray(meta.get("translate", np.zeros(ndim)), dtype=np.float64))
+        @ homogeneous(np.asarray(meta.get("rotate", np.eye(ndim)), dtype=np.float64))
+        @ homogeneous(shear)
+        @ homogeneous(np.diag(np.asarray(meta.get("scale", np.ones(ndim)), dtype=np.float64)))
+    )
+
+
+def write_image_layer(path: str, data: Any, meta: dict[str, Any]) -> list[str]:
+    """Write an image or labels layer with :func:`regkit.io.write_image`; the format follows the extension.
+
+    The geometry is the layer's data-to-world transform (its ``affine`` composed with ``scale``, ``translate``,
+    ``rotate`` and ``shear``), read in the napari world of this plugin (LPS (z, y, x)); shear raises
+    ``regkit.errors.GeometryError``. Unsigned voxel types torch lacks are widened (uint16 -> int32, uint32/uint64 ->
+    int64). Returns ``[path]``.
+    """
+    array = np.asarray(data)
+    if array.dtype.kind == "u" and array.dtype.itemsize > 1:
+        array = array.astype(np.int32 if array.dtype.itemsize == 2 else np.int64)
+    grid = grid_from_napari_affine(_data_to_world(meta, array.ndim), array.shape)
+    return [str(write_image(Image(torch.from_numpy(np.ascontiguousarray(array)), grid), path))]
+
+
+def pair_layers(pair: DemoPair) -> list[LayerData]:
+    """The four layers of a demo pair: fixed and moving images, then their label maps (Labels layers)."""
+    return [
+        image_layer(pair.fixed, "fixed", labels=False),
+        image_layer(pair.moving, "moving", labels=False),
+        image_layer(pair.fixed_labels, "fixed labels", labels=True),
+        image_layer(pair.moving_labels, "moving labels", labels=True),
+    ]
+
+
+def demo_pair_layers() -> list[LayerData]:
+    """Sample data: regkit's demo pair (the MNI152 T1 and its deformed copy with new contrast, and their AAL labels),
+    see :func:`regkit.demo.demo_pair`."""
+    from regkit.demo import demo_pair
+
+    return pair_layers(demo_pair())
