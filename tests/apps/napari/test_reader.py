@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import SimpleITK as sitk
 import torch
 import yaml
 
@@ -23,6 +24,7 @@ from regkit.demo import make_pair
 from regkit.errors import GeometryError
 from regkit.io import Image, orientation_code, read_image, write_image
 from regkit.spatial.grid import Grid
+from tests.core.test_io import _write_dicom_series
 
 FORMATS = (".nii.gz", ".mha", ".nrrd")
 
@@ -150,7 +152,31 @@ def test_manifest_commands_resolve_without_napari() -> None:
     assert patterns == ["*.nii", "*.nii.gz", "*.mha", "*.mhd", "*.nrrd", "*.nhdr"]
 
 
-def test_manifest_validates_with_npe2() -> None:
+def test_manifest_validates_and_matches_with_npe2(tmp_path: Path) -> None:
     npe2 = pytest.importorskip("npe2")
     manifest = npe2.PluginManifest.from_file(str(resources.files("napari_regkit") / "napari.yaml"))
     assert manifest.name == "regkit"
+    plugins = npe2.PluginManager()
+    plugins.register(manifest)
+    for path in ("scan.nii.gz", "scan.mhd", "scan.nhdr", str(tmp_path)):
+        assert [r.command for r in plugins.iter_compatible_readers([path])] == ["regkit.get_reader"]
+    assert not list(plugins.iter_compatible_readers(["photo.png"]))
+    for layer_type in ("image", "labels"):
+        writer, _ = plugins.get_writer("out.nii.gz", [layer_type])
+        assert writer is not None and writer.command == "regkit.write_image"
+
+
+def test_reader_opens_a_dicom_folder(tmp_path: Path) -> None:
+    grid = _oblique_grid()
+    voxels = (np.arange(120).reshape(grid.shape) * 3 - 40).astype(np.int16)
+    itk = sitk.GetImageFromArray(voxels)
+    itk.SetSpacing(grid.spacing)
+    itk.SetOrigin(grid.origin)
+    itk.SetDirection(np.asarray(grid.direction).ravel().tolist())
+    _write_dicom_series(tmp_path / "series", itk, "1.2.826.0.1.3680043.2.1125.7.201")
+    reader = napari_get_reader(str(tmp_path / "series"))
+    assert reader is read_layers
+    [(data, meta, kind)] = reader(str(tmp_path / "series"))
+    assert kind == "labels" and meta["name"] == "series"  # integer, 120 distinct values <= MAX_LABELS
+    np.testing.assert_array_equal(data, voxels)
+    _assert_places_voxels_like(meta["affine"], grid)
