@@ -612,28 +612,22 @@ def _one_line(err: BaseException) -> str:
 def _register_job(job: Job) -> str:
     """Read the job's inputs, register and write its output folder; returns the device used."""
     from regkit.engine import register
-    from regkit.errors import ImageDimensionError
-    from regkit.io import read_image
-    from regkit.outputs import as_label_map, write_outputs
+    from regkit.outputs import read_registration_inputs, write_outputs
 
-    images = {key: read_image(path) for key, path in job.inputs.items() if path is not None}
-    ndim = images["fixed"].ndim
-    for key, image in images.items():
-        if image.ndim != ndim:
-            raise ImageDimensionError(f"{job.inputs[key]} is {image.ndim}D but {job.inputs['fixed']} is {ndim}D")
-    labels = {key: as_label_map(images[key], str(job.inputs[key])) for key in images if key.endswith("_labels")}
+    paths = {key: path for key, path in job.inputs.items() if key not in ("fixed", "moving")}
+    inputs = read_registration_inputs(job.inputs["fixed"], job.inputs["moving"], **paths)
     result = register(
-        images["fixed"],
-        images["moving"],
+        inputs.fixed,
+        inputs.moving,
         job.config,
-        fixed_mask=images.get("fixed_mask"),
-        moving_mask=images.get("moving_mask"),
+        fixed_mask=inputs.fixed_mask,
+        moving_mask=inputs.moving_mask,
     )
     write_outputs(
         result,
         job.out_dir,
-        moving_labels=labels.get("moving_labels"),
-        fixed_labels=labels.get("fixed_labels"),
+        moving_labels=inputs.moving_labels,
+        fixed_labels=inputs.fixed_labels,
         overwrite=True,
     )
     return result.device

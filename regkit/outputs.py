@@ -90,6 +90,7 @@ if TYPE_CHECKING:
 __all__ = [
     "OUTPUT_FILES",
     "OutputExistsError",
+    "RegistrationInputs",
     "apply_itk_transform",
     "as_label_map",
     "check_output_dir",
@@ -97,6 +98,7 @@ __all__ = [
     "learn2reg_displacement",
     "qc_picture",
     "read_moving_grid",
+    "read_registration_inputs",
     "resample",
     "write_displacement",
     "write_learn2reg",
@@ -164,6 +166,49 @@ def as_label_map(image: Image, name: str) -> Image:
             "integer labels"
         )
     return Image(data.to(torch.int64), image.grid)
+
+
+@dataclasses.dataclass(frozen=True)
+class RegistrationInputs:
+    """The images of one registration, read and checked by :func:`read_registration_inputs`."""
+
+    fixed: Image
+    moving: Image
+    fixed_labels: Image | None = None
+    moving_labels: Image | None = None
+    fixed_mask: Image | None = None
+    moving_mask: Image | None = None
+
+
+def read_registration_inputs(
+    fixed: str | os.PathLike,
+    moving: str | os.PathLike,
+    *,
+    fixed_labels: str | os.PathLike | None = None,
+    moving_labels: str | os.PathLike | None = None,
+    fixed_mask: str | os.PathLike | None = None,
+    moving_mask: str | os.PathLike | None = None,
+) -> RegistrationInputs:
+    """Read the images of one registration (the CLI's ``register`` and every batch job): all must have the fixed
+    image's dimension (:class:`ImageDimensionError` naming the files), and label maps must hold integer labels
+    (:func:`as_label_map`)."""
+    from regkit.io import read_image
+
+    fixed_image, moving_image = read_image(fixed), read_image(moving)
+    if fixed_image.ndim != moving_image.ndim:
+        raise ImageDimensionError(f"{fixed} is {fixed_image.ndim}D but {moving} is {moving_image.ndim}D")
+    optional: dict[str, Image | None] = {}
+    for key, path in (
+        ("fixed_labels", fixed_labels),
+        ("moving_labels", moving_labels),
+        ("fixed_mask", fixed_mask),
+        ("moving_mask", moving_mask),
+    ):
+        image = None if path is None else read_image(path)
+        if image is not None and image.ndim != fixed_image.ndim:
+            raise ImageDimensionError(f"{path} is {image.ndim}D but the images are {fixed_image.ndim}D")
+        optional[key] = as_label_map(image, str(path)) if image is not None and key.endswith("_labels") else image
+    return RegistrationInputs(fixed_image, moving_image, **optional)
 
 
 def field_of_view_overlap(fixed: Grid, moving: Grid, samples: int = 24) -> float:

@@ -221,25 +221,25 @@ def register(
 
     from regkit.config import load_config
     from regkit.engine import register as run_registration
-    from regkit.errors import ImageDimensionError, RegkitError
-    from regkit.io import read_image
-    from regkit.outputs import OUTPUT_FILES, as_label_map, check_output_dir, field_of_view_overlap, write_outputs
+    from regkit.errors import RegkitError
+    from regkit.outputs import (
+        OUTPUT_FILES,
+        check_output_dir,
+        field_of_view_overlap,
+        read_registration_inputs,
+        write_outputs,
+    )
 
     check_output_dir(output, overwrite)
-    fixed_image, moving_image = read_image(fixed), read_image(moving)
-    if fixed_image.ndim != moving_image.ndim:
-        raise ImageDimensionError(f"{fixed} is {fixed_image.ndim}D but {moving} is {moving_image.ndim}D")
-    labels = {}
-    for name, path in (("moving", moving_labels), ("fixed", fixed_labels)):
-        if path is not None:
-            image = read_image(path)
-            if image.ndim != fixed_image.ndim:
-                raise ImageDimensionError(f"{path} is {image.ndim}D but the images are {fixed_image.ndim}D")
-            labels[name] = as_label_map(image, str(path))
-    masks = {
-        name: read_image(path) if path is not None else None
-        for name, path in (("fixed", fixed_mask), ("moving", moving_mask))
-    }
+    inputs = read_registration_inputs(
+        fixed,
+        moving,
+        fixed_labels=fixed_labels,
+        moving_labels=moving_labels,
+        fixed_mask=fixed_mask,
+        moving_mask=moving_mask,
+    )
+    fixed_image, moving_image = inputs.fixed, inputs.moving
     overrides = {key: value for key, value in (("device", device), ("seed", seed)) if value is not None}
     cfg = load_config(config or _DEFAULT_CONFIG[fixed_image.ndim], overrides=overrides)
     if field_of_view_overlap(fixed_image.grid, moving_image.grid) == 0:
@@ -251,7 +251,7 @@ def register(
     try:
         if quiet:
             result = run_registration(
-                fixed_image, moving_image, cfg, fixed_mask=masks["fixed"], moving_mask=masks["moving"]
+                fixed_image, moving_image, cfg, fixed_mask=inputs.fixed_mask, moving_mask=inputs.moving_mask
             )
         else:
             with _RichProgress() as progress:
@@ -259,12 +259,16 @@ def register(
                     fixed_image,
                     moving_image,
                     cfg,
-                    fixed_mask=masks["fixed"],
-                    moving_mask=masks["moving"],
+                    fixed_mask=inputs.fixed_mask,
+                    moving_mask=inputs.moving_mask,
                     progress=progress,
                 )
         write_outputs(
-            result, output, moving_labels=labels.get("moving"), fixed_labels=labels.get("fixed"), overwrite=overwrite
+            result,
+            output,
+            moving_labels=inputs.moving_labels,
+            fixed_labels=inputs.fixed_labels,
+            overwrite=overwrite,
         )
     except KeyboardInterrupt:
         typer.echo(f"interrupted: nothing was written to {output}", err=True)
