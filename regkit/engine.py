@@ -177,6 +177,7 @@ class _Context:
         device: torch.device,
         progress: Callable[[Progress], None] | None,
         should_stop: Callable[[], bool] | None,
+        on_level: Callable[[Transformation], None] | None,
     ) -> None:
         self.config = config
         self.device = device
@@ -188,6 +189,7 @@ class _Context:
         self.moving_mask = _mask(moving_mask, moving, "moving", device, self.dtype)
         self.progress = progress
         self.should_stop = should_stop
+        self.on_level = on_level
         self.start = time.perf_counter()
 
     def levels(self, stage: RigidStage | AffineStage | CpabStage) -> list[_Level]:
@@ -217,6 +219,14 @@ class _Context:
     def check_stop(self) -> None:
         if self.should_stop is not None and self.should_stop():
             raise Cancelled("registration cancelled")
+
+    def level_done(self, matrix: np.ndarray, flows: list[CPAB]) -> None:
+        """Report the transformation reached after a pyramid level to ``on_level`` (a snapshot: its flows are copies
+        that later levels do not change)."""
+        if self.on_level is None:
+            return
+        snapshots = [flow._with_theta(flow.theta.detach()).requires_grad_(False) for flow in flows]
+        self.on_level(Transformation(self.fixed.grid, np.asarray(matrix, dtype=np.float64), snapshots))
 
 
 def _loss_on_level(level: _Level, similarity: Similarity, moving_points: torch.Tensor) -> torch.Tensor:
@@ -341,6 +351,7 @@ def _run_linear(ctx: _Context, index: int, stage: RigidStage | AffineStage, matr
             return sim, sim
 
         report.levels.append(_optimize(ctx, index, stage, li, len(levels), list(model.parameters()), objective))
+        ctx.level_done(model.matrix().detach().double().cpu().numpy(), [])
     report.seconds = round(time.perf_counter() - start, 3)
     return model.matrix().detach().double().cpu().numpy(), report
 
@@ -418,6 +429,7 @@ def _run_cpab(ctx: _Context, index: int, stage: CpabStage, matrix: np.ndarray, f
 
             report.levels.append(_optimize(ctx, index, stage, li, len(levels), [z], objective, cells))
             parametrize.remove_parametrizations(flow, "theta", leave_parametrized=True)
+            ctx.level_done(matrix, [*flows, *new_flows, flow])
         assert flow is not None
         flow.requires_grad_(False)
         new_flows.append(flow)
@@ -435,6 +447,7 @@ def register(
     device: str | torch.device | None = None,
     progress: Callable[[Progress], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_level: Callable[[Transformation], None] | None = None,
 ) -> RegistrationResult:
     """Register ``moving`` to ``fixed`` (2D or 3D, any grids) with the stages of ``config``.
 
@@ -445,6 +458,9 @@ def register(
         device: overrides ``config.device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"auto"``).
         progress: called after every optimizer iteration with a :class:`Progress`.
         should_stop: polled before every iteration; returning True raises :class:`Cancelled`.
+        on_level: called after every pyramid level of every rigid, affine and CPAB stage with the whole
+            transformation reached so far (earlier stages included; fixed world -> moving world), e.g. to preview the
+            warped image. Its CPAB flows are copies on the computation device; later levels do not change them.
 
     Returns:
         A :class:`RegistrationResult` whose ``transform`` maps fixed world points to moving world points.
@@ -457,7 +473,7 @@ def register(
     torch.manual_seed(config.seed)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    ctx = _Context(fixed, moving, config, fixed_mask, moving_mask, dev, progress, should_stop)
+    ctx = _Context(fixed, moving, config, fixed_mask, moving_mask, dev, progress, should_stop, on_level)
     n = fixed.ndim
     matrix = np.eye(n + 1)
     flows: list[CPAB] = []
