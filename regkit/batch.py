@@ -30,38 +30,56 @@ sizes and mtimes, its configuration hash (:func:`regkit.config.config_hash`), it
 job is skipped when it is done with unchanged inputs and configuration and its output folder holds
 ``transform.json`` (folders are written atomically by :func:`regkit.outputs.write_outputs`, so a folder that exists is
 complete, even after ``kill -9``); failed jobs are skipped unless ``retry_failed`` (or their inputs changed); ``force``
-reruns everything. A failing job is recorded and the others go on. At the end of a run, ``summary.csv`` in the
-output root has one row per job (:data:`SUMMARY_COLUMNS`). ``.batch.lock`` in the output root is held with
-``fcntl.flock`` for the whole run: a second run on the same root is refused.
+reruns everything. A failing job is recorded and the others go on. At the end of every run (a rerun too, and one
+stopped by an exception or Ctrl-C), the output root gets, written atomically, ``summary.csv`` with one row per job of
+the plan (:data:`SUMMARY_COLUMNS`) and ``report.html`` (:func:`write_report`: a self-contained page with a sortable
+table, QC thumbnails and metric histograms). ``.batch.lock`` in the output root is held with ``fcntl.flock`` for the
+whole run: a second run on the same root is refused.
 
-Executors: ``local`` runs the jobs one after another in this process. ``dask`` runs each job as one task of
-:func:`run_job` (the same function) on a ``dask.distributed`` cluster: a ``LocalCluster`` with ``workers`` processes
-of one thread, or an existing scheduler at ``scheduler``. On SLURM or PBS, start the cluster with dask-jobqueue in a
-separate Python session that stays alive::
+Executors: ``local`` runs the jobs one after another in this process, each on its configuration's ``device``.
+``dask`` runs each job as one task of :func:`run_job` (the same function) on a ``dask.distributed`` cluster:
+
+* by default a local cluster of single-threaded worker processes (:func:`plan_local_workers`): one per GPU when the
+  jobs may use a GPU (device ``auto`` or ``cuda``) and GPUs exist, each pinned to its GPU by ``CUDA_VISIBLE_DEVICES``
+  (so ``cuda`` in a worker is its GPU); otherwise 2, or ``workers``; the CPU cores are shared evenly among them;
+* or an existing scheduler at ``scheduler``. On SLURM or PBS, start the cluster with dask-jobqueue in a separate
+  Python session that stays alive (docs/batch.md has the details)::
 
     from dask_jobqueue import SLURMCluster      # or PBSCluster
     cluster = SLURMCluster(cores=4, processes=1, memory="16GB", walltime="02:00:00",
-                           job_extra_directives=["--gres=gpu:1"])
+                           job_extra_directives=["--gres=gpu:1"], job_script_prologue=["export OMP_NUM_THREADS=4"])
     cluster.scale(jobs=8)
     print(cluster.scheduler_address)            # e.g. tcp://10.0.0.5:8786
 
-then ``regkit batch spec.yaml --executor dask --scheduler tcp://10.0.0.5:8786``. The workers must see the inputs and
-the output root at the same paths (a shared file system) and have regkit installed.
+  then ``regkit batch spec.yaml --executor dask --scheduler tcp://10.0.0.5:8786``. The workers must see the inputs and
+  the output root at the same paths (a shared file system) and have regkit installed.
+
+Pairs are registered one per call, also when several have the same shape: :func:`regkit.engine.register` optimizes
+one transformation (its own tessellation schedule, stopping rule and optimizer state), and each iteration's work, the
+CPAB integration at every voxel of the fixed grid's pyramid level (millions of points for a 1 mm brain), is already
+one large launch on the GPU. To share one GPU among jobs, run more dask workers than GPUs (``workers`` > number of
+GPUs): one job's reading, writing and CPU work then overlaps another's GPU work (``regkit bench batch`` measures it).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import csv
 import fcntl
 import glob as globlib
+import html
+import io
 import json
+import math
 import os
 import shutil
 import socket
 import sqlite3
 import string
+import struct
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -310,9 +328,11 @@ class _SpecReader:
             return _Draft(inputs, {"fixed": self.where(("glob", fkey)), "moving": self.where(("glob", mkey))})
 
         if spec.pairing == "atlas":
+            assert spec.atlas is not None and spec.images is not None  # GlobSpec checked the keys of the rule
             atlas = self.path(spec.atlas)
             return [draft(atlas, image, "atlas", "images") for image in self.glob(spec.images, ("glob", "images"))]
         if spec.pairing == "within_folder":
+            assert spec.images is not None
             folders: dict[Path, list[Path]] = {}
             for image in self.glob(spec.images, ("glob", "images")):
                 folders.setdefault(image.parent, []).append(image)
@@ -324,7 +344,7 @@ class _SpecReader:
             ]
         keyed = {}
         for role in ("fixed", "moving"):
-            pattern = getattr(spec, role)
+            pattern: str = getattr(spec, role)
             prefix, suffix = Path(pattern).name.split("*")
             files = self.glob(pattern, ("glob", role))
             keyed[role] = {f.name[len(prefix) : len(f.name) - len(suffix)]: f for f in files}
@@ -579,8 +599,7 @@ def plan_actions(plan: Plan, rows: dict[str, dict[str, Any]], retry_failed: bool
     actions = []
     for job in plan.jobs:
         row = rows.get(job.name)
-        unchanged = row is not None and row["inputs"] == job.fingerprint() and row["config_hash"] == job.config_hash
-        if force or not unchanged:
+        if force or row is None or row["inputs"] != job.fingerprint() or row["config_hash"] != job.config_hash:
             actions.append("run")
         elif row["state"] == "done" and (job.out_dir / "transform.json").is_file():
             actions.append("skip (done)")
@@ -614,8 +633,10 @@ def _register_job(job: Job) -> str:
     from regkit.engine import register
     from regkit.outputs import read_registration_inputs, write_outputs
 
+    fixed, moving = job.inputs["fixed"], job.inputs["moving"]
+    assert fixed is not None and moving is not None  # every job has both
     paths = {key: path for key, path in job.inputs.items() if key not in ("fixed", "moving")}
-    inputs = read_registration_inputs(job.inputs["fixed"], job.inputs["moving"], **paths)
+    inputs = read_registration_inputs(fixed, moving, **paths)
     result = register(
         inputs.fixed,
         inputs.moving,
@@ -645,29 +666,131 @@ def run_job(job: Job, manifest: Path) -> JobOutcome:
         error, seconds = _one_line(err), time.perf_counter() - start
         book.finish(job.name, "failed", error, seconds, None)
         return JobOutcome(job.name, "failed", error, seconds)
-    seconds = time.perf_counter() - start
-    book.finish(job.name, "done", None, seconds, str(device))
-    return JobOutcome(job.name, "done", None, seconds, str(device))
+    seconds, label = time.perf_counter() - start, device_label(device)
+    book.finish(job.name, "done", None, seconds, label)
+    return JobOutcome(job.name, "done", None, seconds, label)
+
+
+def device_label(device: str) -> str:
+    """How the manifest and the reports name the device a job ran on: ``device`` (``cpu``, ``cuda``, ``cuda:N``), and
+    for a CUDA device of a process whose ``CUDA_VISIBLE_DEVICES`` is set (a pinned worker) also the GPUs it saw, e.g.
+    ``cuda (CUDA_VISIBLE_DEVICES=3)``."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if device.startswith("cuda") and visible:
+        return f"{device} (CUDA_VISIBLE_DEVICES={visible})"
+    return device
+
+
+@dataclass(frozen=True)
+class LocalWorker:
+    """One worker process of the dask executor's LocalCluster."""
+
+    name: str
+    threads: int  # CPU threads of torch in the worker (OMP_NUM_THREADS)
+    gpu: int | None  # the one GPU the worker sees (CUDA_VISIBLE_DEVICES); None without GPUs
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The worker process's environment variables: ``OMP_NUM_THREADS`` and, if pinned, ``CUDA_VISIBLE_DEVICES``."""
+        env = {"OMP_NUM_THREADS": str(self.threads)}
+        if self.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
+        return env
+
+
+def plan_local_workers(workers: int | None, gpus: int, cpus: int) -> list[LocalWorker]:
+    """The worker processes of the dask executor's LocalCluster.
+
+    With ``gpus`` > 0: ``workers`` (default: one per GPU) processes, worker ``i`` pinned to GPU ``i mod gpus`` (so more
+    workers than GPUs share them evenly, fewer use the first ones). Without GPUs: ``workers`` (default 2) processes.
+    The ``cpus`` cores are shared evenly: ``max(1, cpus // n)`` torch threads per worker.
+    """
+    n = workers if workers is not None else gpus or 2
+    if n < 1:
+        raise ValueError(f"workers must be at least 1, got {n}")
+    threads = max(1, cpus // n)
+    return [LocalWorker(f"worker-{i}", threads, i % gpus if gpus else None) for i in range(n)]
+
+
+def _cpu_count() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _check_pinned_devices(jobs: list[Job]) -> None:
+    """Pinned workers see one GPU each, as ``cuda:0``: a job configured for ``cuda:N`` (N > 0) could not run."""
+    for job in jobs:
+        if job.config.device.startswith("cuda:") and job.config.device != "cuda:0":
+            raise RegkitError(
+                f"job {job.name}: device {job.config.device!r} with --executor dask: each local worker is pinned to "
+                "one GPU and sees it as 'cuda'; use device 'cuda' or 'auto'"
+            )
+
+
+@contextlib.contextmanager
+def _local_cluster(workers: list[LocalWorker]) -> Iterator[Any]:
+    """A ``dask.distributed`` cluster of one single-threaded worker process (Nanny) per :class:`LocalWorker`, each
+    with its environment, and a scheduler on 127.0.0.1 without dashboard; each worker may use ``1/n`` of the memory
+    (the nanny restarts a worker that exceeds it: its job fails)."""
+    import logging
+
+    from dask.distributed import Nanny, Scheduler, SpecCluster
+
+    quiet = logging.WARNING
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": False, "dashboard_address": None}}
+    specs = {
+        worker.name: {
+            "cls": Nanny,
+            "options": {
+                "nthreads": 1,
+                "env": worker.env,
+                "host": "127.0.0.1",
+                "memory_limit": 1 / len(workers),
+                "silence_logs": quiet,
+            },
+        }
+        for worker in workers
+    }
+    with SpecCluster(scheduler=scheduler, workers=specs, silence_logs=quiet) as cluster:
+        yield cluster
+
+
+def _run_job_in_worker(job: Job, manifest: Path) -> JobOutcome:
+    """:func:`run_job` in a dask worker, with ``OMP_NUM_THREADS`` (the worker's environment) torch threads: set again
+    here because torch may have been imported before the LocalCluster's nanny set the variable."""
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    return run_job(job, manifest)
 
 
 def _run_dask(
-    jobs: list[Job], manifest: Path, workers: int, scheduler: str | None, report: Callable[[JobOutcome], None]
+    jobs: list[Job], manifest: Path, workers: int | None, scheduler: str | None, report: Callable[[JobOutcome], None]
 ) -> None:
     try:
-        from dask.distributed import Client, LocalCluster, as_completed
+        from dask.distributed import Client, as_completed
     except ImportError:
         raise RegkitError(
             "--executor dask needs dask.distributed: pip install 'regkit[dask]' (or 'dask[distributed]')"
         ) from None
+    if not jobs:
+        return
     with contextlib.ExitStack() as stack:
         if scheduler is None:
-            cluster = stack.enter_context(
-                LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None)
-            )
+            import torch
+
+            gpus = 0 if all(job.config.device == "cpu" for job in jobs) else torch.cuda.device_count()
+            if gpus:
+                _check_pinned_devices(jobs)
+            cluster = stack.enter_context(_local_cluster(plan_local_workers(workers, gpus, _cpu_count())))
             client = stack.enter_context(Client(cluster))
         else:
             client = stack.enter_context(Client(scheduler))
-        futures = {client.submit(run_job, job, manifest, pure=False): job for job in jobs}
+        futures = {client.submit(_run_job_in_worker, job, manifest, pure=False): job for job in jobs}
         for future in as_completed(futures):
             job = futures[future]
             try:
@@ -695,7 +818,7 @@ def run_batch(
     plan: Plan,
     *,
     executor: Literal["local", "dask"] = "local",
-    workers: int = 1,
+    workers: int | None = None,
     scheduler: str | None = None,
     retry_failed: bool = False,
     force: bool = False,
@@ -726,12 +849,16 @@ def run_batch(
         for job in todo:  # partial outputs of runs killed while writing (write_outputs' temporary folders)
             for tmp in job.out_dir.parent.glob(f"{globlib.escape(job.out_dir.name)}.tmp-*"):
                 shutil.rmtree(tmp, ignore_errors=True)
-        if executor == "local":
-            for job in todo:
-                record(run_job(job, plan.manifest))
-        else:
-            _run_dask(todo, plan.manifest, workers, scheduler, record)
-        write_summary(plan, manifest.rows())
+        try:
+            if executor == "local":
+                for job in todo:
+                    record(run_job(job, plan.manifest))
+            else:
+                _run_dask(todo, plan.manifest, workers, scheduler, record)
+        finally:
+            rows = manifest.rows()
+            write_summary(plan, rows)
+            write_report(plan, rows)
     return report
 
 
@@ -751,33 +878,255 @@ SUMMARY_COLUMNS = (
 """Columns of ``summary.csv``: the manifest's state, runtime (s) and device, and metrics from each ``metrics.json``."""
 
 
-def write_summary(plan: Plan, rows: dict[str, dict[str, Any]]) -> Path:
-    """Write ``summary.csv`` in the output root (atomically): one row per job of ``plan``, in plan order."""
-    path = plan.root / "summary.csv"
+def summary_rows(plan: Plan, rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per job of ``plan``, in plan order, with the :data:`SUMMARY_COLUMNS`: state, runtime and device from
+    the manifest ``rows`` (``pending`` for a job it lacks), metrics from the ``metrics.json`` of done jobs (None where
+    absent, e.g. Dice without labels)."""
+    table = []
+    for job in plan.jobs:
+        row = rows.get(job.name, {})
+        metrics: dict[str, Any] = {}
+        if row.get("state") == "done" and (job.out_dir / "metrics.json").is_file():
+            metrics = json.loads((job.out_dir / "metrics.json").read_text())
+        labels, jacobian = metrics.get("labels") or {}, metrics.get("jacobian") or {}
+        table.append(
+            {
+                "name": job.name,
+                "fixed": job.inputs["fixed"],
+                "moving": job.inputs["moving"],
+                "state": row.get("state", "pending"),
+                "seconds": None if row.get("seconds") is None else round(row["seconds"], 3),
+                "device": row.get("device"),
+                "mean_dice_before": labels.get("mean_dice_before"),
+                "mean_dice_after": labels.get("mean_dice_after"),
+                "jacobian_fraction_nonpositive": jacobian.get("fraction_nonpositive"),
+                "sdlogj": jacobian.get("sdlogj"),
+                "error": row.get("error"),
+            }
+        )
+    return table
+
+
+def _write_atomically(path: Path, text: str) -> Path:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, SUMMARY_COLUMNS)
-        writer.writeheader()
-        for job in plan.jobs:
-            row = rows.get(job.name, {})
-            metrics: dict[str, Any] = {}
-            if row.get("state") == "done" and (job.out_dir / "metrics.json").is_file():
-                metrics = json.loads((job.out_dir / "metrics.json").read_text())
-            labels, jacobian = metrics.get("labels") or {}, metrics.get("jacobian") or {}
-            writer.writerow(
-                {
-                    "name": job.name,
-                    "fixed": job.inputs["fixed"],
-                    "moving": job.inputs["moving"],
-                    "state": row.get("state", "pending"),
-                    "seconds": None if row.get("seconds") is None else round(row["seconds"], 3),
-                    "device": row.get("device"),
-                    "mean_dice_before": labels.get("mean_dice_before"),
-                    "mean_dice_after": labels.get("mean_dice_after"),
-                    "jacobian_fraction_nonpositive": jacobian.get("fraction_nonpositive"),
-                    "sdlogj": jacobian.get("sdlogj"),
-                    "error": row.get("error"),
-                }
-            )
+    tmp.write_text(text, encoding="utf-8", newline="")
     os.replace(tmp, path)
     return path
+
+
+def write_summary(plan: Plan, rows: dict[str, dict[str, Any]]) -> Path:
+    """Write ``summary.csv`` in the output root (atomically): the :func:`summary_rows` of ``plan``."""
+    buffer = io.StringIO(newline="")
+    writer = csv.DictWriter(buffer, SUMMARY_COLUMNS)
+    writer.writeheader()
+    writer.writerows(summary_rows(plan, rows))
+    return _write_atomically(plan.root / "summary.csv", buffer.getvalue())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# report.html
+# ---------------------------------------------------------------------------------------------------------------------
+
+REPORT = "report.html"
+_THUMBNAIL_SIDE = 240  # pixels: the longest side of a QC thumbnail in the report
+
+_REPORT_CSS = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }
+h1 { font-size: 1.4em; margin-bottom: 0.2em; }
+.meta { color: #555; margin-top: 0; }
+.plots { display: flex; flex-wrap: wrap; gap: 1em; margin: 1em 0; }
+figure { margin: 0; border: 1px solid #ddd; padding: 0.5em; }
+figcaption { font-weight: 600; font-size: 0.9em; }
+svg text { font: 11px system-ui, sans-serif; fill: #444; }
+table { border-collapse: collapse; }
+th, td { border: 1px solid #ddd; padding: 0.3em 0.5em; vertical-align: top; text-align: left; }
+th { background: #f3f3f3; cursor: pointer; user-select: none; position: sticky; top: 0; }
+th[data-dir="asc"]::after { content: " \\25B2"; }
+th[data-dir="desc"]::after { content: " \\25BC"; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td small { color: #666; }
+tr.failed td { background: #fdecec; }
+tr.pending td, tr.running td { background: #fff8e0; }
+td.error { max-width: 30em; font-size: 0.9em; }
+img { display: block; image-rendering: auto; }
+"""
+
+# Click a header to sort by it (again: the other way); numbers numerically, text alphabetically, empty cells last.
+_REPORT_JS = """
+for (const th of document.querySelectorAll("#jobs thead th")) {
+  th.addEventListener("click", () => {
+    const table = th.closest("table"), body = table.tBodies[0], col = th.cellIndex;
+    const numeric = th.dataset.type === "num", dir = th.dataset.dir === "asc" ? -1 : 1;
+    for (const other of table.tHead.rows[0].cells) delete other.dataset.dir;
+    th.dataset.dir = dir === 1 ? "asc" : "desc";
+    const key = (row) => row.cells[col].dataset.value ?? row.cells[col].textContent.trim();
+    const rows = Array.from(body.rows).sort((a, b) => {
+      const x = key(a), y = key(b);
+      if (x === "" || y === "") return (x === "") - (y === "");
+      return dir * (numeric ? parseFloat(x) - parseFloat(y) : x.localeCompare(y));
+    });
+    for (const row of rows) body.appendChild(row);
+  });
+}
+"""
+
+
+def _png(rgb: Any) -> bytes:
+    """An 8-bit RGB array ``(H, W, 3)`` as PNG file bytes (no filtering, zlib level 9)."""
+    height, width, _ = rgb.shape
+    raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+
+
+def _thumbnail(path: Path) -> str | None:
+    """The picture at ``path`` (a job's ``qc.png``) shrunk by block averaging to at most :data:`_THUMBNAIL_SIDE`
+    pixels on its longest side, as a ``data:image/png;base64`` URI; None if it is missing or unreadable."""
+    import numpy as np
+    import SimpleITK as sitk
+
+    if not path.is_file():
+        return None
+    try:
+        rgb = sitk.GetArrayFromImage(sitk.ReadImage(str(path)))
+    except RuntimeError:
+        return None
+    if rgb.ndim == 2:
+        rgb = rgb[..., None]
+    rgb = np.broadcast_to(rgb[..., :3], (*rgb.shape[:2], 3)).astype(np.float64)
+    k = max(1, math.ceil(max(rgb.shape[:2]) / _THUMBNAIL_SIDE))
+    h, w = max(k, rgb.shape[0] // k * k), max(k, rgb.shape[1] // k * k)
+    rgb = np.pad(rgb, ((0, max(0, h - rgb.shape[0])), (0, max(0, w - rgb.shape[1])), (0, 0)))[:h, :w]
+    small = rgb.reshape(h // k, k, w // k, k, 3).mean(axis=(1, 3)).round().clip(0, 255).astype(np.uint8)
+    return "data:image/png;base64," + base64.b64encode(_png(np.ascontiguousarray(small))).decode("ascii")
+
+
+def _histogram_svg(title: str, values: list[float], unit: str = "") -> str:
+    """A histogram of ``values`` as an inline SVG figure with its title, count and median (or a note if empty)."""
+    import numpy as np
+
+    caption = f"<figcaption>{html.escape(title)}</figcaption>"
+    if not values:
+        return f'<figure>{caption}<p class="meta">no values</p></figure>'
+    width, height, left, right, top, bottom = 320, 170, 34, 10, 10, 34
+    lo, hi = min(values), max(values)
+    if hi == lo:
+        pad = abs(lo) * 0.05 or 0.5
+        lo, hi = lo - pad, hi + pad
+    counts, edges = np.histogram(values, bins=max(1, min(20, math.ceil(math.sqrt(len(values))))), range=(lo, hi))
+    plot_w, plot_h = width - left - right, height - top - bottom
+    bar_w, top_count = plot_w / len(counts), int(counts.max())
+    parts = [f'<svg width="{width}" height="{height}" role="img">']
+    for i, count in enumerate(counts):
+        bar_h = plot_h * count / top_count
+        x, y = left + i * bar_w, top + plot_h - bar_h
+        parts.append(
+            f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(bar_w - 1, 1):.1f}" height="{bar_h:.1f}" fill="#4a7bb7">'
+            f"<title>{edges[i]:.4g} to {edges[i + 1]:.4g}{unit}: {count}</title></rect>"
+        )
+    axis_y = top + plot_h
+    parts += [
+        f'<line x1="{left}" y1="{axis_y}" x2="{left + plot_w}" y2="{axis_y}" stroke="#888"/>',
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{axis_y}" stroke="#888"/>',
+        f'<text x="{left - 4}" y="{top + 9}" text-anchor="end">{top_count}</text>',
+        f'<text x="{left - 4}" y="{axis_y}" text-anchor="end">0</text>',
+        f'<text x="{left}" y="{axis_y + 14}">{lo:.4g}</text>',
+        f'<text x="{left + plot_w}" y="{axis_y + 14}" text-anchor="end">{hi:.4g}</text>',
+        f'<text x="{left + plot_w / 2}" y="{axis_y + 28}" text-anchor="middle">'
+        f"{html.escape(unit.strip() or 'value')}; n = {len(values)}, median {float(np.median(values)):.4g}</text>",
+        "</svg>",
+    ]
+    return f"<figure>{caption}{''.join(parts)}</figure>"
+
+
+def _cell(value: Any, digits: int | None = None, scale: float = 1.0, css: str = "") -> str:
+    """A table cell: numbers (times ``scale``) right-aligned with ``digits`` significant digits and sorted by their
+    full value, text escaped; None is an empty cell. ``css``: the cell's class."""
+    if value is None or value == "":
+        return '<td data-value=""></td>'
+    if digits is not None:
+        number = float(value) * scale
+        return f'<td class="num" data-value="{number!r}">{number:.{digits}g}</td>'
+    return f'<td class="{css}">{html.escape(str(value))}</td>' if css else f"<td>{html.escape(str(value))}</td>"
+
+
+def write_report(plan: Plan, rows: dict[str, dict[str, Any]]) -> Path:
+    """Write ``report.html`` in the output root (atomically): a self-contained page (inline CSS, JavaScript and
+    images; no network) with histograms (inline SVG) of the done jobs' mean Dice before and after, folds and runtime,
+    and a table of every job of ``plan`` (:func:`summary_rows`) sortable by any column, with each done job's QC
+    thumbnail (from its ``qc.png``, linked to the full picture)."""
+    table = summary_rows(plan, rows)
+    done = [row for row in table if row["state"] == "done"]
+
+    def values(key: str, scale: float = 1.0) -> list[float]:
+        return [row[key] * scale for row in done if row[key] is not None]
+
+    states = {state: sum(row["state"] == state for row in table) for state in ("done", "failed", "running", "pending")}
+    counts = ", ".join(f"{n} {state}" for state, n in states.items() if n)
+    plots = [
+        _histogram_svg("Mean Dice before", values("mean_dice_before")),
+        _histogram_svg("Mean Dice after", values("mean_dice_after")),
+        _histogram_svg("Folds (non-positive Jacobian)", values("jacobian_fraction_nonpositive", 100.0), " %"),
+        _histogram_svg("Runtime", values("seconds"), " s"),
+    ]
+    header = [
+        ("#", "num"),
+        ("job", "text"),
+        ("QC", "text"),
+        ("state", "text"),
+        ("runtime s", "num"),
+        ("device", "text"),
+        ("Dice before", "num"),
+        ("Dice after", "num"),
+        ("folds %", "num"),
+        ("SDlogJ", "num"),
+        ("error", "text"),
+    ]
+    body = []
+    for index, (job, row) in enumerate(zip(plan.jobs, table, strict=True)):
+        thumbnail = _thumbnail(job.out_dir / "qc.png") if row["state"] == "done" else None
+        qc = '<td data-value=""></td>'
+        if thumbnail is not None:
+            link = html.escape(f"{job.name}/qc.png", quote=True)
+            qc = f'<td data-value="{index}"><a href="{link}"><img src="{thumbnail}" alt="QC of {link}"></a></td>'
+        fixed, moving = job.inputs["fixed"], job.inputs["moving"]
+        assert fixed is not None and moving is not None
+        title = html.escape(f"fixed {fixed}\nmoving {moving}", quote=True)
+        body.append(
+            f'<tr class="{html.escape(row["state"])}"><td class="num" data-value="{index}">{index}</td>'
+            f'<td data-value="{html.escape(job.name, quote=True)}" title="{title}">{html.escape(job.name)}<br>'
+            f"<small>{html.escape(moving.name)} to {html.escape(fixed.name)}</small></td>"
+            f"{qc}{_cell(row['state'])}{_cell(row['seconds'], 4)}{_cell(row['device'])}"
+            f"{_cell(row['mean_dice_before'], 3)}{_cell(row['mean_dice_after'], 3)}"
+            f"{_cell(row['jacobian_fraction_nonpositive'], 3, 100.0)}{_cell(row['sdlogj'], 3)}"
+            f"{_cell(row['error'], css='error')}</tr>"
+        )
+    title = f"regkit batch: {plan.root}"
+    page = "\n".join(
+        [
+            "<!DOCTYPE html>",
+            '<html lang="en">',
+            '<head><meta charset="utf-8">',
+            f"<title>{html.escape(title)}</title>",
+            f"<style>{_REPORT_CSS}</style></head>",
+            "<body>",
+            f"<h1>{html.escape(title)}</h1>",
+            f'<p class="meta">spec {html.escape(str(plan.spec_path))}; {len(table)} jobs: {counts}; '
+            f"written {time.strftime('%Y-%m-%d %H:%M:%S')}</p>",
+            f'<section class="plots">{"".join(plots)}</section>',
+            '<table id="jobs"><thead><tr>'
+            + "".join(f'<th data-type="{kind}">{html.escape(name)}</th>' for name, kind in header)
+            + "</tr></thead>",
+            "<tbody>",
+            *body,
+            "</tbody></table>",
+            f"<script>{_REPORT_JS}</script>",
+            "</body></html>",
+            "",
+        ]
+    )
+    return _write_atomically(plan.root / REPORT, page)

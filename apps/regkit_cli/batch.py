@@ -37,7 +37,14 @@ def batch(
     executor: Annotated[
         Executor, typer.Option(help="local: one job after another here; dask: a dask.distributed cluster.")
     ] = Executor.local,
-    workers: Annotated[int, typer.Option(min=1, help="Worker processes of the dask LocalCluster.")] = 2,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Worker processes of the local dask cluster (default: one per GPU, each pinned to its GPU; 2 without "
+            "GPUs). More workers than GPUs share them.",
+        ),
+    ] = None,
     scheduler: Annotated[
         str | None, typer.Option(help="Address of a running dask scheduler (e.g. from dask-jobqueue) instead.")
     ] = None,
@@ -46,8 +53,9 @@ def batch(
     """Register every pair of SPEC into its own output folder, skipping jobs already done.
 
     Everything is validated (schema, configurations, every input's header) before any work. The output root holds
-    manifest.sqlite (each job's state, inputs' sizes/mtimes, config hash, error, timings) and .batch.lock (a second
-    run on the same root is refused). A failing job is recorded and the others go on; the exit code is 1 if any job
+    manifest.sqlite (each job's state, inputs' sizes/mtimes, config hash, error, timings), .batch.lock (a second
+    run on the same root is refused), and after every run summary.csv and report.html (sortable table, QC
+    thumbnails, metric histograms). A failing job is recorded and the others go on; the exit code is 1 if any job
     failed (now or earlier and not retried).
     """
     from rich.console import Console
@@ -66,15 +74,18 @@ def batch(
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
+        TextColumn("{task.fields[counts]}"),
         console=Console(stderr=True),
         disable=quiet,
     )
-    task = bar.add_task("batch", total=len(plan.jobs))
+    task = bar.add_task("batch", total=len(plan.jobs), counts="")
+    counts = dict.fromkeys(("done", "skipped", "failed"), 0)
 
     def show(outcome) -> None:
         if not bar.live.is_started:  # only once the run holds the lock: an error before prints one line
             bar.start()
-        bar.advance(task)
+        counts[outcome.state] += 1
+        bar.update(task, advance=1, counts=", ".join(f"{n} {state}" for state, n in counts.items() if n))
         if quiet:
             return
         if outcome.state == "skipped":
@@ -102,7 +113,7 @@ def batch(
         states = [o.state for o in report.outcomes]
         typer.echo(
             f"{states.count('done')} done, {states.count('skipped')} skipped, {len(failed)} failed; "
-            f"summary {plan.root / 'summary.csv'}"
+            f"summary {plan.root / 'summary.csv'}, report {plan.root / 'report.html'}"
         )
     if failed:
         raise typer.Exit(1)

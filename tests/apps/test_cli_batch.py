@@ -1,4 +1,4 @@
-"""``regkit batch``: dry run, exit codes, one-line errors, lock refusal."""
+"""``regkit batch``: dry run, exit codes, one-line errors, lock refusal, local and dask executors (2D and 3D jobs)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from regkit.batch import MANIFEST, Manifest, lock_output_root
-from regkit.io import read_image
+from regkit.io import Image, read_image, write_image
+from regkit.spatial.grid import Grid
 from tests.apps.cli import run_cli
 from tests.core.test_batch import LIST_SPEC, corrupt, make_data, write_spec
 
@@ -30,7 +31,8 @@ def test_failed_job_gives_exit_code_1_and_rerun_skips(tmp_path, capsys):
     assert run_cli(["batch", spec]) == 1
     captured = capsys.readouterr()  # per-job lines with the progress bar on stderr, the summary on stdout
     assert "b_to_a: done" in captured.err and "c_to_a: failed" in captured.err and "c.nii.gz" in captured.err
-    assert "1 done, 0 skipped, 1 failed" in captured.out
+    assert "1 done, 0 skipped, 1 failed" in captured.out and "report.html" in captured.out
+    assert (tmp_path / "out" / "report.html").is_file() and (tmp_path / "out" / "summary.csv").is_file()
     assert run_cli(["batch", spec]) == 1  # the failure stays until retried
     assert "0 done, 2 skipped, 1 failed" in capsys.readouterr().out
     assert run_cli(["batch", spec, "--dry-run"]) == 0
@@ -51,25 +53,44 @@ def test_invalid_spec_and_lock_are_one_line_errors(tmp_path, capsys):
     assert err.count("\n") == 1 and str(lock) in err and "another regkit batch run" in err
 
 
+def blob3d(shift: float, size: int = 12) -> Image:
+    """A 3D Gaussian blob, shifted by ``shift`` mm in x."""
+    grid = Grid.create((size, size, size))
+    p = grid.world_points(torch.float64)
+    return Image(torch.exp(-((p - torch.tensor([5.0 + shift, 6.0, 6.0])) ** 2).sum(-1) / 8.0).float(), grid)
+
+
+MIXED_SPEC = (
+    LIST_SPEC
+    + """\
+  - {fixed: data/f.nii.gz, moving: data/g.nii.gz, config: {dim: 3}}
+  - {fixed: data/f.nii.gz, moving: data/h.nii.gz, config: {dim: 3}}
+"""
+)
+
+
 def test_local_and_dask_give_identical_outputs(tmp_path, capsys):
     pytest.importorskip("dask.distributed")
     make_data(tmp_path)
-    spec = write_spec(tmp_path, LIST_SPEC)
-    dask_spec = write_spec(tmp_path, LIST_SPEC.replace("output: out", "output: out_dask")).rename(tmp_path / "d.yaml")
-    spec = write_spec(tmp_path, LIST_SPEC)
+    for name, shift in (("f", 0.0), ("g", 1.0), ("h", -1.0)):
+        write_image(blob3d(shift), tmp_path / "data" / f"{name}.nii.gz")
+    spec = write_spec(tmp_path, MIXED_SPEC)
+    dask_spec = write_spec(tmp_path, MIXED_SPEC.replace("output: out", "output: out_dask")).rename(tmp_path / "d.yaml")
+    spec = write_spec(tmp_path, MIXED_SPEC)
     assert run_cli(["batch", spec]) == 0
     assert run_cli(["batch", dask_spec, "--executor", "dask", "--workers", "2"]) == 0
-    assert "2 done, 0 skipped, 0 failed" in capsys.readouterr().out
+    assert "4 done, 0 skipped, 0 failed" in capsys.readouterr().out
     rows = Manifest(tmp_path / "out_dask" / MANIFEST).rows()
     assert {row["state"] for row in rows.values()} == {"done"}
-    assert len({row["worker"] for row in rows.values()}) == 2  # one job per worker process
-    for job in ("b_to_a", "c_to_a"):
+    assert len({row["worker"] for row in rows.values()}) == 2  # both worker processes ran jobs
+    for job in ("b_to_a", "c_to_a", "g_to_f", "h_to_f"):
         local = json.loads((tmp_path / "out" / job / "transform.json").read_text())
         remote = json.loads((tmp_path / "out_dask" / job / "transform.json").read_text())
         assert local == remote
         for name in ("warped.nii.gz", "jacobian.nii.gz"):
             a = read_image(tmp_path / "out" / job / name).data
             b = read_image(tmp_path / "out_dask" / job / name).data
+            assert a.ndim == (3 if job.endswith("_f") else 2)
             assert torch.equal(a, b), f"{job}/{name}: max difference {float((a - b).abs().max())}"
 
 

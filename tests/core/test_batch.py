@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
+import base64
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from html.parser import HTMLParser
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 import torch
 
-from regkit.batch import BatchLockedError, Manifest, load_spec, lock_output_root, plan_actions, run_batch
+from regkit.batch import (
+    BatchLockedError,
+    Manifest,
+    device_label,
+    load_spec,
+    lock_output_root,
+    plan_actions,
+    plan_local_workers,
+    run_batch,
+)
 from regkit.errors import ConfigError, RegkitError
 from regkit.io import Image, write_image
 from regkit.spatial.grid import Grid
@@ -328,6 +341,11 @@ def test_labels_and_masks_from_csv_reach_the_outputs(tmp_path):
     with open(tmp_path / "out" / "summary.csv", newline="") as handle:
         (summary,) = csv.DictReader(handle)
     assert float(summary["mean_dice_after"]) == pytest.approx(metrics["labels"]["mean_dice_after"])
+    text = (tmp_path / "out" / "report.html").read_text()
+    svgs = re.findall(r"<svg.*?</svg>", text, flags=re.S)
+    assert len(svgs) == 4 and "no values" not in text  # Dice before and after, folds, runtime
+    for svg in svgs:
+        assert ElementTree.fromstring(svg).tag == "svg"  # well-formed
 
 
 def test_unknown_extension_and_bad_csv_are_located(tmp_path):
@@ -341,3 +359,115 @@ def test_unknown_extension_and_bad_csv_are_located(tmp_path):
     (tmp_path / "pairs.csv").write_text("fixed,moving\ndata/a.nii.gz,data/b.nii.gz\ndata/a.nii.gz,data/nope.nii.gz\n")
     with pytest.raises(ConfigError, match=r"pairs.csv:3: moving: no such file"):
         load_spec(write_spec(tmp_path, "defaults: tiny.yaml\noutput: out\ncsv: pairs.csv\n"))
+
+
+# --- dask workers: GPU pinning and threads ---------------------------------------------------------------------------
+
+
+def test_plan_local_workers_pins_one_worker_per_gpu():
+    plan = plan_local_workers(None, gpus=2, cpus=16)
+    assert [(w.gpu, w.threads) for w in plan] == [(0, 8), (1, 8)]
+    assert plan[1].env == {"OMP_NUM_THREADS": "8", "CUDA_VISIBLE_DEVICES": "1"}
+    assert [w.gpu for w in plan_local_workers(5, gpus=2, cpus=16)] == [0, 1, 0, 1, 0]  # sharing, round-robin
+    assert [w.gpu for w in plan_local_workers(1, gpus=4, cpus=16)] == [0]
+    assert len({w.name for w in plan_local_workers(5, gpus=2, cpus=16)}) == 5
+    cpu = plan_local_workers(None, gpus=0, cpus=2)
+    assert [(w.gpu, w.threads) for w in cpu] == [(None, 1), (None, 1)] and cpu[0].env == {"OMP_NUM_THREADS": "1"}
+    assert [w.threads for w in plan_local_workers(3, gpus=0, cpus=2)] == [1, 1, 1]
+    with pytest.raises(ValueError, match="at least 1"):
+        plan_local_workers(0, gpus=0, cpus=2)
+
+
+def test_local_cluster_workers_get_their_gpu_and_threads():
+    distributed = pytest.importorskip("dask.distributed")
+    from regkit.batch import _local_cluster
+
+    def environment() -> tuple[str | None, str | None]:
+        return os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("OMP_NUM_THREADS")
+
+    with _local_cluster(plan_local_workers(None, gpus=2, cpus=6)) as cluster, distributed.Client(cluster) as client:
+        seen = client.run(environment)
+    assert sorted(seen.values()) == [("0", "3"), ("1", "3")]
+
+
+def test_dask_executor_with_gpus_pins_and_checks_devices(tmp_path, monkeypatch):
+    pytest.importorskip("dask.distributed")
+    make_data(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(TINY_CONFIG.replace("device: cpu", "device: cuda:1"))
+    plan = load_spec(write_spec(tmp_path, LIST_SPEC))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(RegkitError, match=r"job b_to_a: device 'cuda:1' with --executor dask: .*use device 'cuda'"):
+        run_batch(plan, executor="dask")
+    assert {row["state"] for row in Manifest(plan.manifest).rows().values()} == {"pending"}  # nothing ran
+
+
+def test_device_label_names_the_visible_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert device_label("cuda") == "cuda (CUDA_VISIBLE_DEVICES=3)"
+    assert device_label("cpu") == "cpu"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert device_label("cuda:0") == "cuda:0"
+
+
+# --- report.html -----------------------------------------------------------------------------------------------------
+
+
+class _Page(HTMLParser):
+    """The parts of report.html the tests look at: body rows, image sources, every URL-like attribute, SVGs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[list[str]] = []
+        self.images: list[str] = []
+        self.links: list[str] = []
+        self.svgs = 0
+        self.headers: list[str] = []
+        self._in_body = self._in_th = False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self._in_body |= tag == "tbody"
+        self._in_th = tag == "th"
+        if tag == "tr" and self._in_body:
+            self.rows.append([attrs.get("class", "")])
+        if tag == "img":
+            self.images.append(attrs["src"])
+        self.links += [v for k, v in attrs.items() if k in ("href", "src") and v is not None]
+        self.svgs += tag == "svg"
+
+    def handle_endtag(self, tag):
+        self._in_body &= tag != "tbody"
+        self._in_th = False
+
+    def handle_data(self, data):
+        if self._in_th:
+            self.headers.append(data)
+
+
+def test_report_html_is_self_contained_with_a_row_per_job(tmp_path):
+    make_data(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(TINY_CONFIG.replace("qc_png: false", "qc_png: true"))
+    spec = write_spec(tmp_path, LIST_SPEC + "  - {fixed: data/b.nii.gz, moving: data/c.nii.gz}\n")
+    corrupt(tmp_path / "data" / "b.nii.gz")  # b_to_a and c_to_b fail
+    run_batch(load_spec(spec))
+    report = tmp_path / "out" / "report.html"
+    for rerun in (False, True):  # a rerun (everything skipped) rewrites the report over all jobs
+        if rerun:
+            before = report.stat().st_mtime_ns
+            time.sleep(0.01)
+            assert {o.state for o in run_batch(load_spec(spec)).outcomes} == {"skipped"}
+            assert report.stat().st_mtime_ns != before
+        text = report.read_text()
+        page = _Page()
+        page.feed(text)
+        page.close()
+        assert [row[0] for row in page.rows] == ["failed", "done", "failed"]
+        assert len(page.images) == 1 and page.images[0].startswith("data:image/png;base64,")
+        thumbnail = base64.b64decode(page.images[0].split(",", 1)[1])
+        assert thumbnail.startswith(b"\x89PNG\r\n\x1a\n")
+        assert page.links == ["c_to_a/qc.png", page.images[0]]  # a relative link to the full picture
+        assert "://" not in text and "url(" not in text and "@import" not in text  # nothing from the network
+        assert page.svgs == 2 and text.count("no values") == 2  # folds and runtime; no labels: no Dice
+        assert {"Dice after", "folds %", "runtime s", "device", "error"} <= set(page.headers)
+        assert "<script>" in text and "<style>" in text
+    assert not list((tmp_path / "out").glob("*.tmp-*"))
