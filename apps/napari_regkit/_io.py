@@ -1,4 +1,5 @@
-"""The plugin's reader, writers and sample data (npe2 commands, see ``napari.yaml``), built on :mod:`regkit.io`.
+"""The plugin's reader, writers and sample data (npe2 commands, see ``napari.yaml``), and napari layers as regkit
+images (:func:`layer_image`, :func:`registration_inputs`), built on :mod:`regkit.io`.
 
 Layers are placed in the napari world of :mod:`napari_regkit._logic`: LPS millimetres in (z, y, x) order, with the
 ``affine`` of :func:`~napari_regkit._logic.napari_affine` mapping the data coordinates ``(k, j, i)`` to it, so oblique
@@ -17,14 +18,25 @@ import SimpleITK as sitk
 import torch
 
 from napari_regkit._logic import grid_from_napari_affine, napari_affine
+from regkit.errors import ImageDimensionError, ImageValueError
 from regkit.io import SUPPORTED_EXTENSIONS, Image, read_image, write_image
+from regkit.outputs import RegistrationInputs, as_label_map
 
 if TYPE_CHECKING:
     from napari.types import LayerData
 
     from regkit.demo import DemoPair
 
-__all__ = ["demo_pair_layers", "image_layer", "napari_get_reader", "pair_layers", "read_layers", "write_image_layer"]
+__all__ = [
+    "demo_pair_layers",
+    "image_layer",
+    "layer_image",
+    "napari_get_reader",
+    "pair_layers",
+    "read_layers",
+    "registration_inputs",
+    "write_image_layer",
+]
 
 # Integer images with at most this many distinct values open as Labels layers.
 MAX_LABELS = 1000
@@ -94,19 +106,87 @@ def _data_to_world(meta: dict[str, Any], ndim: int) -> np.ndarray:
     )
 
 
-def write_image_layer(path: str, data: Any, meta: dict[str, Any]) -> list[str]:
-    """Write an image or labels layer with :func:`regkit.io.write_image`; the format follows the extension.
+def layer_image(data: Any, meta: dict[str, Any]) -> Image:
+    """The :class:`~regkit.io.Image` of an image or labels layer given as napari gives it to writers (``data``, and
+    ``meta`` as in ``layer.as_layer_data_tuple()``).
 
     The geometry is the layer's data-to-world transform (its ``affine`` composed with ``scale``, ``translate``,
     ``rotate`` and ``shear``), read in the napari world of this plugin (LPS (z, y, x)); shear raises
     ``regkit.errors.GeometryError``. Unsigned voxel types torch lacks are widened (uint16 -> int32, uint32/uint64 ->
-    int64). Returns ``[path]``.
+    int64), booleans become uint8. Multiscale, RGB, empty and other than 2D/3D layers raise
+    :class:`~regkit.errors.ImageValueError` or :class:`~regkit.errors.ImageDimensionError` naming the layer.
     """
+    name = meta.get("name", "layer")
+    if meta.get("multiscale"):
+        raise ImageValueError(f"layer '{name}' is multiscale; regkit takes single-scale images")
+    if meta.get("rgb"):
+        raise ImageValueError(f"layer '{name}' is RGB; regkit takes scalar images")
     array = np.asarray(data)
-    if array.dtype.kind == "u" and array.dtype.itemsize > 1:
+    if array.ndim not in (2, 3):
+        raise ImageDimensionError(f"layer '{name}' is {array.ndim}D; regkit takes 2D and 3D images")
+    if array.size == 0:
+        raise ImageValueError(f"layer '{name}' is empty (shape {array.shape})")
+    if array.dtype == np.bool_:
+        array = array.astype(np.uint8)
+    elif array.dtype.kind == "u" and array.dtype.itemsize > 1:
         array = array.astype(np.int32 if array.dtype.itemsize == 2 else np.int64)
     grid = grid_from_napari_affine(_data_to_world(meta, array.ndim), array.shape)
-    return [str(write_image(Image(torch.from_numpy(np.ascontiguousarray(array)), grid), path))]
+    return Image(torch.from_numpy(np.ascontiguousarray(array)), grid)
+
+
+def write_image_layer(path: str, data: Any, meta: dict[str, Any]) -> list[str]:
+    """Write an image or labels layer with :func:`regkit.io.write_image` (geometry and voxel types as
+    :func:`layer_image`); the format follows the extension. Returns ``[path]``."""
+    return [str(write_image(layer_image(data, meta), path))]
+
+
+def registration_inputs(
+    fixed: LayerData,
+    moving: LayerData,
+    *,
+    moving_labels: LayerData | None = None,
+    fixed_mask: LayerData | None = None,
+    moving_mask: LayerData | None = None,
+) -> RegistrationInputs:
+    """The images of a registration from napari layers given as ``layer.as_layer_data_tuple()``
+    (:func:`layer_image`), checked: all must have the fixed image's dimension
+    (:class:`~regkit.errors.ImageDimensionError`), the images must not be constant and the label and mask layers not
+    all zero (:class:`~regkit.errors.ImageValueError`), label maps must hold integer labels
+    (:func:`regkit.outputs.as_label_map`). Messages name the layers."""
+    images: dict[str, Image | None] = {}
+    for key, layer in (
+        ("fixed", fixed),
+        ("moving", moving),
+        ("moving_labels", moving_labels),
+        ("fixed_mask", fixed_mask),
+        ("moving_mask", moving_mask),
+    ):
+        if layer is None:
+            images[key] = None
+            continue
+        data, meta = layer[0], layer[1]
+        name = meta.get("name", key)
+        image = layer_image(data, meta)
+        reference = images.get("fixed")
+        if reference is not None and image.ndim != reference.ndim:
+            raise ImageDimensionError(
+                f"layer '{name}' is {image.ndim}D but the fixed layer '{fixed[1].get('name')}' is {reference.ndim}D"
+            )
+        if key in ("fixed", "moving"):
+            low, high = torch.aminmax(image.data)
+            if low == high:
+                raise ImageValueError(f"layer '{name}' is empty: every voxel is {float(low):g}")
+        elif not bool(image.data.any()):
+            raise ImageValueError(f"layer '{name}' is empty: no non-zero voxel")
+        images[key] = as_label_map(image, f"layer '{name}'") if key == "moving_labels" else image
+    assert images["fixed"] is not None and images["moving"] is not None
+    return RegistrationInputs(
+        images["fixed"],
+        images["moving"],
+        moving_labels=images["moving_labels"],
+        fixed_mask=images["fixed_mask"],
+        moving_mask=images["moving_mask"],
+    )
 
 
 def pair_layers(pair: DemoPair) -> list[LayerData]:

@@ -7,18 +7,36 @@ import pytest
 import torch
 
 from napari_regkit._logic import (
+    RunSettings,
+    build_config,
     checkerboard,
+    comparison,
+    comparison_layer,
     deformed_grid_lines,
+    difference,
     flow_at,
+    flow_frame,
     grid_from_napari_affine,
+    grid_step,
     jacobian_layer,
     napari_affine,
+    parse_schedule,
+    progress_fraction,
+    progress_text,
+    result_layers,
+    run_registration,
+    save_animation,
     tessellation_lines,
     to_napari,
     velocity_vectors,
+    warped_layer,
 )
+from regkit.config import CpabStage, LnccSimilarity, MomentsStage, RegistrationConfig, load_config
 from regkit.cpab.module import CPAB
-from regkit.errors import GeometryError
+from regkit.engine import Cancelled, Progress, RegistrationResult
+from regkit.errors import ConfigError, GeometryError, RegkitError
+from regkit.io import Image
+from regkit.outputs import RegistrationInputs, resample
 from regkit.spatial.grid import Grid
 from regkit.transform import Transformation
 
@@ -179,3 +197,267 @@ def test_checkerboard() -> None:
     np.testing.assert_allclose(board, expected)
     with pytest.raises(ValueError, match="same shape"):
         checkerboard(fixed, warped[:2], 2)
+
+
+def test_deformed_grid_lines_inverse_undoes_the_transformation() -> None:
+    grid = _oblique_grid()
+    transform = Transformation(grid, _translation(3, [1.0, -2.0, 0.5]), [_random_cpab(grid)])
+    straight = deformed_grid_lines(Transformation(grid, np.eye(4)), grid, 3)
+    carried = deformed_grid_lines(transform, grid, 3, inverse=True)
+    back = transform.transform_world(torch.from_numpy(to_napari(np.concatenate(carried))))
+    np.testing.assert_allclose(to_napari(back), np.concatenate(straight), atol=1e-3)
+
+
+def test_difference_and_comparison() -> None:
+    fixed = np.array([[0.0, 2.0], [4.0, 4.0]])
+    warped = np.array([[1.0, 1.0], [3.0, 1.0]])
+    np.testing.assert_allclose(difference(fixed, warped), [[0.0, -0.5], [0.0, -1.0]])
+    np.testing.assert_array_equal(comparison(fixed, warped, "difference"), difference(fixed, warped))
+    np.testing.assert_array_equal(comparison(fixed, warped, "checkerboard", 2), checkerboard(fixed, warped, 2))
+    with pytest.raises(ValueError, match="view"):
+        comparison(fixed, warped, "blend")
+    grid = Grid.create((2, 2), (2.0, 3.0))
+    board, meta, kind = comparison_layer(Image(torch.from_numpy(fixed), grid), warped, "difference")
+    assert kind == "image" and meta["name"] == "comparison" and meta["contrast_limits"] == (-1.0, 1.0)
+    np.testing.assert_array_equal(board, difference(fixed, warped))
+    np.testing.assert_array_equal(meta["affine"], napari_affine(grid))
+
+
+# ---- the registration widget's logic ---------------------------------------------------------------------------------
+
+
+def test_parse_schedule() -> None:
+    assert parse_schedule("4, 8,16") == (4, 8, 16)
+    assert parse_schedule(" 6 12 ") == (6, 12)
+    assert parse_schedule("") == ()
+    for bad in ("4, x", "0, 4", "-4", "4.5"):
+        with pytest.raises(ConfigError, match="tessellation"):
+            parse_schedule(bad)
+
+
+def test_build_config_defaults_to_the_preset_for_the_dimension() -> None:
+    assert build_config(RunSettings(), 2) == load_config("histology-2d")
+    assert build_config(RunSettings(), 3) == load_config("brain-mri-3d")
+
+
+def test_build_config_overrides_the_main_settings() -> None:
+    settings = RunSettings(config="quick-2d", tessellation=(3,), similarity="mse", iterations=7, device="cpu")
+    config = build_config(settings, 2)
+    base = load_config("quick-2d")
+    assert isinstance(config.stages[0], MomentsStage) and config.stages[0] == base.stages[0]
+    for stage in config.stages[1:]:
+        assert stage.similarity.name == "mse" and stage.level_iterations() == (7, 7)
+        assert stage.pyramid == base.stages[1].pyramid
+    cpab = config.stages[-1]
+    assert isinstance(cpab, CpabStage) and cpab.tessellation == (3, 3) and cpab.steps == 20
+    assert config.device == "cpu"
+    schedule = build_config(RunSettings(config="quick-2d", tessellation=(2, 6)), 2).stages[-1]
+    assert isinstance(schedule, CpabStage) and schedule.tessellation == (2, 6)
+
+
+def test_build_config_keeps_the_options_of_the_same_similarity(tmp_path) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text("base: histology-2d\ndevice: cpu\n")
+    config = build_config(RunSettings(config=path, similarity="lncc"), 2)
+    cpab = config.stages[-1]
+    assert isinstance(cpab.similarity, LnccSimilarity) and cpab.similarity.window == 9  # the preset's window
+    assert config.device == "cpu"
+
+
+def test_build_config_errors_name_the_override() -> None:
+    with pytest.raises(ConfigError, match=r"overrides.*tessellation"):
+        build_config(RunSettings(config="quick-2d", tessellation=(2, 4, 8)), 2)
+    with pytest.raises(ConfigError, match="neither a YAML file nor a preset"):
+        build_config(RunSettings(config="no-such-preset"), 2)
+
+
+def _progress(**changes) -> Progress:
+    values = dict(
+        stage=2,
+        n_stages=3,
+        kind="cpab",
+        level=1,
+        n_levels=2,
+        iteration=5,
+        max_iterations=10,
+        loss=0.5,
+        similarity=0.123456,
+        elapsed=1.0,
+        cells=(8, 8),
+    )
+    return Progress(**(values | changes))
+
+
+def test_progress_text_and_fraction() -> None:
+    text = progress_text(_progress())
+    assert text == "stage 3/3 cpab, level 2/2, 8 x 8 cells, iteration 5/10, similarity 0.1235"
+    assert "cells" not in progress_text(_progress(kind="affine", cells=None))
+    assert progress_fraction(_progress()) == pytest.approx((2 + (1 + 0.5) / 2) / 3)
+    assert progress_fraction(_progress(stage=0, level=0, iteration=0)) == 0.0
+    assert progress_fraction(_progress(level=1, iteration=10)) == 1.0
+
+
+def test_grid_step() -> None:
+    grid = Grid.create((100, 40))
+    assert grid_step(grid, 10) == 10
+    assert grid_step(grid, 16) == 7
+    assert grid_step(grid, 1000) == 1
+    with pytest.raises(ValueError, match="lines"):
+        grid_step(grid, 0)
+
+
+def _result(chain: int = 1) -> RegistrationResult:
+    fixed_grid = Grid.create((12, 10), (1.5, 2.0), (3.0, -4.0))
+    moving_grid = Grid.create((14, 9), (1.0, 2.5), (2.0, -5.0))
+    generator = torch.Generator().manual_seed(0)
+    moving = Image(torch.rand(moving_grid.shape, generator=generator), moving_grid)
+    flows = [_random_cpab(fixed_grid, seed) for seed in range(chain)]
+    config = load_config("quick-2d")
+    return RegistrationResult(
+        Transformation(fixed_grid, _translation(2, [0.5, -1.0]), flows),
+        Image(torch.rand(fixed_grid.shape, generator=generator), fixed_grid),
+        moving,
+        config,
+        stages=[],
+        device="cpu",
+        seconds=0.0,
+        peak_memory_bytes=None,
+    )
+
+
+def test_warped_layer_is_placed_on_the_fixed_grid() -> None:
+    result = _result()
+    data, meta, kind = warped_layer(result.transform, result.moving, "moving warped")
+    assert kind == "image" and meta["name"] == "moving warped"
+    np.testing.assert_array_equal(data, resample(result.transform, result.moving).data.numpy())
+    np.testing.assert_array_equal(meta["affine"], napari_affine(result.fixed.grid))
+    labels = Image((result.moving.data > 0.5).to(torch.int16), result.moving.grid)
+    data, _, kind = warped_layer(result.transform, labels, "labels warped", labels=True)
+    assert kind == "labels" and data.dtype == np.int16 and set(np.unique(data)) <= {0, 1}
+
+
+def test_result_layers() -> None:
+    result = _result()
+    labels = Image((result.moving.data > 0.5).to(torch.uint8), result.moving.grid)
+    layers = result_layers(result, "mov", ("seg", labels), grid_lines=4)
+    assert [(meta["name"], kind) for _, meta, kind in layers] == [
+        ("mov warped", "image"),
+        ("seg warped", "labels"),
+        ("deformed grid", "shapes"),
+        ("Jacobian determinant", "image"),
+        ("folding (det <= 0)", "labels"),
+        ("tessellation", "vectors"),
+        ("velocity", "vectors"),
+    ]
+    grid = result.fixed.grid
+    for data, meta, _ in (layers[0], layers[1], layers[3], layers[4]):
+        assert data.shape == grid.shape
+        np.testing.assert_array_equal(meta["affine"], napari_affine(grid))
+    step = grid_step(grid, 4)
+    assert step == 3
+    lines = deformed_grid_lines(result.transform, grid, step)
+    assert len(layers[2][0]) == len(lines) and layers[2][1]["shape_type"] == "path"
+    det, limits, _ = jacobian_layer(result.transform)
+    np.testing.assert_array_equal(layers[3][0], det)
+    assert layers[3][1]["contrast_limits"] == limits and layers[3][1]["colormap"] == "PiYG"
+    assert layers[4][0].dtype == np.uint8 and not layers[4][0].any()
+    edges = tessellation_lines(result.transform.cpab[0])
+    np.testing.assert_allclose(layers[5][0][:, 0] + layers[5][0][:, 1], edges[:, 1])
+    np.testing.assert_array_equal(layers[6][0], velocity_vectors(result.transform.cpab[0], grid, step))
+
+
+def test_result_layers_of_chains_and_of_linear_results() -> None:
+    names = [meta["name"] for _, meta, _ in result_layers(_result(chain=2), "m")]
+    assert names[-3:] == ["tessellation", "velocity 1", "velocity 2"]
+    linear = _result(chain=0)
+    names = [meta["name"] for _, meta, _ in result_layers(linear, "m")]
+    assert names == ["m warped", "deformed grid", "Jacobian determinant", "folding (det <= 0)"]
+
+
+def _quick_config() -> RegistrationConfig:
+    levels = [{"shrink": 2, "smoothing": 1.0}, {"shrink": 1, "smoothing": 0.0}]
+    optimizer = {"iterations": 2, "tolerance": 0.0}
+    stages = [
+        {"type": "affine", "similarity": {"name": "ncc"}, "pyramid": levels, "optimizer": optimizer},
+        {
+            "type": "cpab",
+            "similarity": {"name": "ncc"},
+            "pyramid": levels,
+            "optimizer": optimizer,
+            "tessellation": [2, 2],
+            "steps": 5,
+        },
+    ]
+    return RegistrationConfig.model_validate({"dim": 2, "device": "cpu", "stages": stages})
+
+
+def test_run_registration_previews_every_level_and_builds_the_layers() -> None:
+    grid = Grid.create((20, 16))
+    world = grid.world_points(torch.float32)
+    fixed = Image(torch.exp(-((world - torch.tensor([9.0, 7.0])) ** 2).sum(-1) / 20), grid)
+    moving = Image(torch.exp(-((world - torch.tensor([10.0, 8.0])) ** 2).sum(-1) / 20), grid)
+    labels = Image((moving.data > 0.3).to(torch.uint8), grid)
+    previews, reports = [], []
+    run = run_registration(
+        RegistrationInputs(fixed, moving, moving_labels=labels),
+        _quick_config(),
+        moving_name="m",
+        labels_name="l",
+        grid_lines=5,
+        progress=reports.append,
+        preview=previews.append,
+    )
+    assert [meta["name"] for _, meta, _ in previews] == ["m warped"] * 4
+    np.testing.assert_array_equal(previews[-1][0], run.layers[0][0])
+    assert len(reports) == 8 and run.moving_labels is labels
+    assert [meta["name"] for _, meta, _ in run.layers][:2] == ["m warped", "l warped"]
+    with pytest.raises(Cancelled):
+        run_registration(RegistrationInputs(fixed, moving), _quick_config(), moving_name="m", should_stop=lambda: True)
+
+
+# ---- the inspect widget's logic --------------------------------------------------------------------------------------
+
+
+def test_flow_frame_from_identity_to_the_transformation() -> None:
+    result = _result()
+    transform, moving = result.transform, result.moving
+    grid = transform.fixed_grid
+    start = flow_frame(transform, moving, 0.0, 3)
+    identity = Transformation(grid, np.eye(3))
+    assert start.t == 0.0 and start.image.dtype == np.float32 and start.image.shape == grid.shape
+    np.testing.assert_allclose(start.image, resample(identity, moving).data.numpy(), atol=1e-6)
+    for line, straight in zip(start.grid_lines, deformed_grid_lines(identity, grid, 3), strict=True):
+        np.testing.assert_allclose(line, straight, atol=1e-9)
+    end = flow_frame(transform, moving, 1.0, 3)
+    np.testing.assert_allclose(end.image, resample(transform, moving).data.numpy(), atol=1e-6)
+    for line, carried in zip(end.grid_lines, deformed_grid_lines(transform, grid, 3, inverse=True), strict=True):
+        np.testing.assert_allclose(line, carried, atol=1e-9)
+    middle = flow_frame(transform, moving, 0.5, 3)
+    np.testing.assert_allclose(middle.image, resample(flow_at(transform, 0.5), moving).data.numpy(), atol=1e-6)
+
+
+def test_save_animation_gif(tmp_path) -> None:
+    from PIL import Image as PILImage
+
+    frames = [np.full((20, 30, 4), value, dtype=np.uint8) for value in (0, 120, 250)]
+    path = save_animation(frames, tmp_path / "flow.gif", fps=5)
+    with PILImage.open(path) as gif:
+        assert gif.n_frames == 3 and gif.size == (30, 20)
+        assert gif.info["duration"] == 200 and gif.info["loop"] == 0
+        gif.seek(1)
+        assert np.asarray(gif.convert("RGB"))[0, 0].tolist() == [120, 120, 120]
+
+
+def test_save_animation_refuses_what_it_cannot_write(tmp_path) -> None:
+    frames = [np.zeros((8, 8, 3), np.uint8)]
+    with pytest.raises(RegkitError, match=r"flow\.avi.*use \.gif or \.mp4"):
+        save_animation(frames, tmp_path / "flow.avi")
+    with pytest.raises(ValueError, match="no frames"):
+        save_animation([], tmp_path / "flow.gif")
+    try:
+        import imageio_ffmpeg  # noqa: F401
+    except ImportError:
+        with pytest.raises(RegkitError, match="imageio-ffmpeg"):
+            save_animation(frames, tmp_path / "flow.mp4")
+    else:
+        assert save_animation(frames * 4, tmp_path / "flow.mp4").stat().st_size > 0
