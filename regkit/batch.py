@@ -24,16 +24,17 @@ may be combined. :func:`load_spec` validates everything before any work: the sch
 registration configuration, each input (exists, header readable), globs that match nothing, and two jobs with one
 output folder; each problem is a :class:`~regkit.errors.ConfigError` ``FILE:LINE: key.path: message``.
 
-Running (:func:`run_batch`): the output root holds ``manifest.sqlite`` (SQLite in WAL mode; every write is one short
-transaction, so concurrent workers may write it) with each job's state (pending, running, done, failed), its inputs'
-sizes and mtimes, its configuration hash (:func:`regkit.config.config_hash`), its one-line error and its timings. A
-job is skipped when it is done with unchanged inputs and configuration and its output folder holds
-``transform.json`` (folders are written atomically by :func:`regkit.outputs.write_outputs`, so a folder that exists is
-complete, even after ``kill -9``); failed jobs are skipped unless ``retry_failed`` (or their inputs changed); ``force``
-reruns everything. A failing job is recorded and the others go on. At the end of every run (a rerun too, and one
-stopped by an exception or Ctrl-C), the output root gets, written atomically, ``summary.csv`` with one row per job of
-the plan (:data:`SUMMARY_COLUMNS`) and ``report.html`` (:func:`write_report`: a self-contained page with a sortable
-table, QC thumbnails and metric histograms). ``.batch.lock`` in the output root is held with ``fcntl.flock`` for the
+Running (:func:`run_batch`): the output root holds ``manifest.sqlite`` (SQLite in WAL mode, every write one short
+transaction; written only by the process running the batch, also with dask, whose workers return their outcomes)
+with each job's state (pending, running, done, failed), its inputs' sizes and mtimes, its configuration hash
+(:func:`regkit.config.config_hash`), its one-line error and its timings. A job is skipped when it is done with
+unchanged inputs and configuration and its output folder holds ``transform.json`` (folders are written atomically by
+:func:`regkit.outputs.write_outputs`, so a folder that exists is complete, even after ``kill -9``); failed jobs are
+skipped unless ``retry_failed`` (or their inputs changed); ``force`` reruns everything. A failing job is recorded
+and the others go on. At the end of every run (a rerun too, and one stopped by an exception or Ctrl-C), the output
+root gets, written atomically, ``summary.csv`` with one row per job of the plan (:data:`SUMMARY_COLUMNS`) and
+``report.html`` (:func:`write_report`: a self-contained page with a sortable table, QC thumbnails and metric
+histograms). ``.batch.lock`` in the output root is held with ``fcntl.flock`` for the
 whole run: a second run on the same root is refused.
 
 Executors: ``local`` runs the jobs one after another in this process, each on its configuration's ``device``.
@@ -45,10 +46,10 @@ Executors: ``local`` runs the jobs one after another in this process, each on it
 * or an existing scheduler at ``scheduler``. On SLURM or PBS, start the cluster with dask-jobqueue in a separate
   Python session that stays alive (docs/batch.md has the details)::
 
-    from dask_jobqueue import SLURMCluster      # or PBSCluster
-    cluster = SLURMCluster(cores=4, processes=1, memory="16GB", walltime="02:00:00",
+    from dask_jobqueue import SLURMCluster      # or PBSCluster (resource_spec="select=1:ncpus=4:ngpus=1:mem=16GB")
+    cluster = SLURMCluster(cores=1, processes=1, job_cpu=4, memory="16GB", walltime="02:00:00",
                            job_extra_directives=["--gres=gpu:1"], job_script_prologue=["export OMP_NUM_THREADS=4"])
-    cluster.scale(jobs=8)
+    cluster.scale(jobs=8)                       # 8 SLURM jobs, one worker each: one registration at a time on its GPU
     print(cluster.scheduler_address)            # e.g. tcp://10.0.0.5:8786
 
   then ``regkit batch spec.yaml --executor dask --scheduler tcp://10.0.0.5:8786``. The workers must see the inputs and
@@ -108,18 +109,26 @@ from regkit.errors import ConfigError, RegkitError
 __all__ = [
     "INPUT_KEYS",
     "MANIFEST",
+    "REPORT",
     "SUMMARY_COLUMNS",
     "BatchLockedError",
+    "BatchReport",
     "BatchSpec",
     "Job",
     "JobOutcome",
+    "LocalWorker",
     "Manifest",
     "Plan",
+    "device_label",
+    "execute_job",
     "load_spec",
     "lock_output_root",
     "plan_actions",
+    "plan_local_workers",
     "run_batch",
     "run_job",
+    "summary_rows",
+    "write_report",
     "write_summary",
 ]
 
@@ -530,21 +539,34 @@ class Manifest:
         finally:
             con.close()
 
-    def start(self, job: Job, worker: str) -> None:
-        """Record ``job`` as running now, with its inputs' fingerprint and configuration hash."""
+    def start(self, jobs: list[Job], worker: str) -> None:
+        """Record ``jobs`` as running from now, handed to ``worker``, with their inputs' fingerprints and
+        configuration hashes (what a rerun compares)."""
+        now = time.time()
         with self._connect() as con:
-            con.execute(
+            con.executemany(
                 "INSERT OR REPLACE INTO jobs (name, state, inputs, config_hash, started, worker) "
                 "VALUES (?, 'running', ?, ?, ?, ?)",
-                (job.name, job.fingerprint(), job.config_hash, time.time(), worker),
+                [(job.name, job.fingerprint(), job.config_hash, now, worker) for job in jobs],
             )
 
-    def finish(self, name: str, state: str, error: str | None, seconds: float, device: str | None) -> None:
-        """Record the end of a job: ``done`` or ``failed`` with its one-line error."""
+    def finish(self, outcome: JobOutcome) -> None:
+        """Record the end of a job: ``done`` or ``failed`` with its one-line error, its runtime and device, and
+        where and when it started if the outcome knows."""
         with self._connect() as con:
             con.execute(
-                "UPDATE jobs SET state = ?, error = ?, finished = ?, seconds = ?, device = ? WHERE name = ?",
-                (state, error, time.time(), seconds, device, name),
+                "UPDATE jobs SET state = ?, error = ?, finished = ?, seconds = ?, device = ?, "
+                "started = COALESCE(?, started), worker = COALESCE(?, worker) WHERE name = ?",
+                (
+                    outcome.state,
+                    outcome.error,
+                    time.time(),
+                    outcome.seconds,
+                    outcome.device,
+                    outcome.started,
+                    outcome.worker,
+                    outcome.name,
+                ),
             )
 
     def mark_pending(self, jobs: list[Job]) -> None:
@@ -621,6 +643,8 @@ class JobOutcome:
     seconds: float = 0.0
     device: str | None = None
     previous: str | None = None  # for skipped jobs: the manifest's state (done or failed)
+    worker: str | None = None  # host:pid of the process that ran it
+    started: float | None = None  # when it started (seconds since the epoch)
 
 
 def _one_line(err: BaseException) -> str:
@@ -654,21 +678,27 @@ def _register_job(job: Job) -> str:
     return result.device
 
 
-def run_job(job: Job, manifest: Path) -> JobOutcome:
-    """Run one job and record it in the manifest at ``manifest``: running, then done or failed with its one-line
-    error (any exception but KeyboardInterrupt, out-of-memory included). The one job runner of every executor."""
-    book = Manifest(manifest)
-    book.start(job, f"{socket.gethostname()}:{os.getpid()}")
-    start = time.perf_counter()
+def execute_job(job: Job) -> JobOutcome:
+    """Register one job and write its output folder, in this process; its outcome: ``done``, or ``failed`` with the
+    one-line error (any exception but KeyboardInterrupt, out-of-memory included), with the runtime, the device
+    (:func:`device_label`) and this process (host:pid). Writes no manifest: the process running the batch records
+    the outcome (:meth:`Manifest.finish`). The one job runner of every executor."""
+    worker, started, start = f"{socket.gethostname()}:{os.getpid()}", time.time(), time.perf_counter()
     try:
         device = _register_job(job)
     except Exception as err:
-        error, seconds = _one_line(err), time.perf_counter() - start
-        book.finish(job.name, "failed", error, seconds, None)
-        return JobOutcome(job.name, "failed", error, seconds)
-    seconds, label = time.perf_counter() - start, device_label(device)
-    book.finish(job.name, "done", None, seconds, label)
-    return JobOutcome(job.name, "done", None, seconds, label)
+        return JobOutcome(job.name, "failed", _one_line(err), time.perf_counter() - start, None, None, worker, started)
+    return JobOutcome(job.name, "done", None, time.perf_counter() - start, device_label(device), None, worker, started)
+
+
+def run_job(job: Job, manifest: Path) -> JobOutcome:
+    """Run one job in this process (:func:`execute_job`) and record it in the manifest at ``manifest``: running, then
+    its outcome."""
+    book = Manifest(manifest)
+    book.start([job], f"{socket.gethostname()}:{os.getpid()}")
+    outcome = execute_job(job)
+    book.finish(outcome)
+    return outcome
 
 
 def device_label(device: str) -> str:
@@ -757,20 +787,22 @@ def _local_cluster(workers: list[LocalWorker]) -> Iterator[Any]:
         yield cluster
 
 
-def _run_job_in_worker(job: Job, manifest: Path) -> JobOutcome:
-    """:func:`run_job` in a dask worker, with ``OMP_NUM_THREADS`` (the worker's environment) torch threads: set again
-    here because torch may have been imported before the LocalCluster's nanny set the variable."""
+def _execute_in_worker(job: Job) -> JobOutcome:
+    """:func:`execute_job` in a dask worker, with ``OMP_NUM_THREADS`` (the worker's environment) torch threads: set
+    again here because torch may have been imported before the LocalCluster's nanny set the variable."""
     import torch
 
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
-    return run_job(job, manifest)
+    return execute_job(job)
 
 
 def _run_dask(
     jobs: list[Job], manifest: Path, workers: int | None, scheduler: str | None, report: Callable[[JobOutcome], None]
 ) -> None:
+    """Run ``jobs`` on a dask cluster (module docstring), recording each in ``manifest`` from this process and
+    reporting each outcome as it arrives."""
     try:
         from dask.distributed import Client, as_completed
     except ImportError:
@@ -790,15 +822,17 @@ def _run_dask(
             client = stack.enter_context(Client(cluster))
         else:
             client = stack.enter_context(Client(scheduler))
-        futures = {client.submit(_run_job_in_worker, job, manifest, pure=False): job for job in jobs}
+        # only this process writes the manifest: SQLite's WAL mode needs all its writers on one host
+        book = Manifest(manifest)
+        book.start(jobs, f"dask scheduler {client.scheduler.address}")
+        futures = {client.submit(_execute_in_worker, job, pure=False): job for job in jobs}
         for future in as_completed(futures):
             job = futures[future]
             try:
                 outcome = future.result()
-            except Exception as err:  # the worker died (e.g. killed for memory) before run_job could record it
-                error = _one_line(err)
-                Manifest(manifest).finish(job.name, "failed", error, 0.0, None)
-                outcome = JobOutcome(job.name, "failed", error)
+            except Exception as err:  # the worker died (e.g. killed for memory) before the job could end
+                outcome = JobOutcome(job.name, "failed", _one_line(err))
+            book.finish(outcome)
             report(outcome)
 
 
