@@ -31,6 +31,7 @@ __all__ = [
     "demo_pair_layers",
     "image_layer",
     "layer_image",
+    "layer_name",
     "napari_get_reader",
     "pair_layers",
     "read_layers",
@@ -57,7 +58,8 @@ def napari_get_reader(path: str | Sequence[str]) -> Callable[[str | Sequence[str
     return read_layers
 
 
-def _layer_name(path: Path) -> str:
+def layer_name(path: Path) -> str:
+    """A layer's name for the file ``path``: its name without the image extension (``scan.nii.gz`` -> ``scan``)."""
     name = path.name
     for ext in SUPPORTED_EXTENSIONS:
         if name.lower().endswith(ext):
@@ -78,7 +80,7 @@ def read_layers(path: str | Sequence[str]) -> list[LayerData]:
     """Read each file or DICOM folder with :func:`regkit.io.read_image` into one layer (see :func:`image_layer`),
     named after the file without its extension."""
     paths = [path] if isinstance(path, str | os.PathLike) else list(path)
-    return [image_layer(read_image(item), _layer_name(Path(item))) for item in paths]
+    return [image_layer(read_image(item), layer_name(Path(item))) for item in paths]
 
 
 def _data_to_world(meta: dict[str, Any], ndim: int) -> np.ndarray:

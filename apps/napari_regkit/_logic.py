@@ -97,7 +97,7 @@ def grid_from_napari_affine(affine: np.ndarray, shape: tuple[int, ...]) -> Grid:
     lps = np.asarray(affine, dtype=np.float64)[np.ix_(order, order)]
     columns = lps[:n, :n]
     spacing = np.linalg.norm(columns, axis=0)
-    return Grid.create(tuple(reversed(shape)), spacing, lps[:n, n], columns / spacing)
+    return Grid.create(tuple(reversed(shape)), tuple(spacing), tuple(lps[:n, n]), columns / spacing)
 
 
 def deformed_grid_lines(
@@ -503,12 +503,14 @@ def save_animation(frames: Sequence[np.ndarray], path: str | os.PathLike, fps: f
         first.save(path, save_all=True, append_images=rest, duration=round(1000 / fps), loop=0)
         return path
     try:
-        import imageio.v2 as imageio
-        import imageio_ffmpeg  # noqa: F401  (the writer imageio uses for .mp4)
+        import imageio_ffmpeg
     except ImportError:
         message = f"{path}: writing .mp4 needs imageio-ffmpeg (pip install imageio-ffmpeg); or save a .gif"
         raise RegkitError(message) from None
-    with imageio.get_writer(path, fps=fps) as writer:
-        for picture in pictures:
-            writer.append_data(picture)
+    height, width = (side - side % 2 for side in pictures[0].shape[:2])  # H.264 in yuv420p needs even sides
+    writer = imageio_ffmpeg.write_frames(str(path), (width, height), fps=fps, macro_block_size=1)
+    writer.send(None)  # start ffmpeg
+    for picture in pictures:
+        writer.send(np.ascontiguousarray(picture[:height, :width]))
+    writer.close()
     return path

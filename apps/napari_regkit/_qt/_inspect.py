@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from magicgui.types import FileDialogMode
 from magicgui.widgets import ComboBox, Container, FileEdit, FloatSlider, Label, ProgressBar, PushButton, SpinBox
 from napari.layers import Image as ImageLayer
-from napari.qt.threading import create_worker
+from napari.qt.threading import GeneratorWorker, create_worker
 from napari.utils.notifications import show_error, show_info
 from qtpy.QtCore import QTimer
+from qtpy.QtWidgets import QApplication
 
-from napari_regkit._io import layer_image
+from napari_regkit._io import image_layer, layer_image, layer_name
 from napari_regkit._logic import FlowFrame, flow_frame, grid_step, napari_affine, save_animation
 from napari_regkit._qt._layers import layer_choices, show_layer
 from regkit.errors import ImageDimensionError, RegkitError
+from regkit.io import read_image
 from regkit.outputs import OUTPUT_FILES
 from regkit.transform import Transformation
 
@@ -39,10 +42,11 @@ class InspectWidget(Container):
 
     Load reads ``transform.json`` from a result folder (written by ``regkit register``, the batch runner or the
     registration widget's Save) and computes, in a worker thread, the frames of
-    :func:`~napari_regkit._logic.flow_frame` for the chosen moving image layer: the moving image resampled through the
-    flow at time t, on the fixed grid, and a lattice painted on it that moves with it. The slider t shows a frame
-    (t = 0: the moving image where it lies; t = 1: the registration's warped image), Play loops through them, and
-    Export writes the animation (``.gif``, or ``.mp4`` with imageio-ffmpeg) from screenshots of the viewer's canvas.
+    :func:`~napari_regkit._logic.flow_frame` for the chosen moving image layer (or the image file opened with "or open
+    it", placed in world space by its header): the moving image resampled through the flow at time t, on the fixed
+    grid, and a lattice painted on it that moves with it. The slider t shows a frame (t = 0: the moving image where
+    it lies; t = 1: the registration's warped image), Play loops through them, and Export writes the animation
+    (``.gif``, or ``.mp4`` with imageio-ffmpeg) from screenshots of the viewer's canvas.
     """
 
     def __init__(self, napari_viewer: napari.viewer.Viewer) -> None:
@@ -50,8 +54,9 @@ class InspectWidget(Container):
         self._viewer = napari_viewer
         self.extend(
             [
-                FileEdit(name="result_folder", label="result folder", mode="d"),
+                FileEdit(name="result_folder", label="result folder", mode=FileDialogMode.EXISTING_DIRECTORY),
                 ComboBox(name="moving", label="moving image", choices=layer_choices(napari_viewer, ImageLayer)),
+                FileEdit(name="moving_file", label="or open it", mode=FileDialogMode.EXISTING_FILE),
                 SpinBox(name="frames", label="frames", min=2, max=500, value=21),
                 SpinBox(name="grid_lines", label="grid lines", min=2, max=200, value=16),
                 PushButton(name="load_button", text="Load"),
@@ -59,7 +64,9 @@ class InspectWidget(Container):
                 FloatSlider(name="t", label="t", min=0.0, max=1.0, step=0.05, value=0.0),
                 SpinBox(name="fps", label="frames per second", min=1, max=60, value=10),
                 PushButton(name="play_button", text="Play", enabled=False),
-                FileEdit(name="export_path", label="export to", mode="w", filter="*.gif *.mp4"),
+                FileEdit(
+                    name="export_path", label="export to", mode=FileDialogMode.OPTIONAL_FILE, filter="*.gif *.mp4"
+                ),
                 PushButton(name="export_button", text="Export animation", enabled=False),
                 Label(name="status", label="status", value="choose a result folder and the moving image"),
             ]
@@ -67,10 +74,11 @@ class InspectWidget(Container):
         self.transform: Transformation | None = None  # the loaded transformation
         self.frames_ready: dict[int, FlowFrame] = {}
         self.frame_count = 2
-        self.worker = None  # the frames worker, while it runs
+        self.worker: GeneratorWorker | None = None  # the frames worker, while it runs
         self._moving_name = ""
         self._timer = QTimer()
         self._timer.timeout.connect(self._next_frame)
+        self.moving_file.changed.connect(self.open_moving)
         self.load_button.changed.connect(self.load)
         self.t.changed.connect(self.show_time)
         self.play_button.changed.connect(self.play)
@@ -78,15 +86,34 @@ class InspectWidget(Container):
         for event in (napari_viewer.layers.events.inserted, napari_viewer.layers.events.removed):
             event.connect(self.reset_choices)
         self.reset_choices()
+        # napari does not stop workers when it closes: stop ours when the widget is deleted or the application quits
+        self.native.destroyed.connect(self._shut_down)
+        app = QApplication.instance()
+        assert app is not None  # napari made it
+        app.aboutToQuit.connect(self._shut_down)
 
     def _index(self, t: float) -> int:
         return round(t * (self.frame_count - 1))
 
     # ---- loading -----------------------------------------------------------------------------------------------------
 
+    def open_moving(self) -> None:
+        """Open the chosen file as an image layer in world space (:func:`~napari_regkit._io.image_layer`) and choose
+        it as the moving image."""
+        path = str(self.moving_file.value or "")
+        if path in ("", "."):
+            return
+        try:
+            layer_data = image_layer(read_image(path), layer_name(Path(path)), labels=False)
+        except RegkitError as err:
+            show_error(f"regkit: {err}")
+            return
+        self.moving.value = show_layer(self._viewer, layer_data)
+
     def load(self) -> None:
         """Read the result folder's transformation and start computing the frames (errors: a notification)."""
         self.stop()
+        self._drop_worker()
         folder, layer = str(self.result_folder.value or ""), self.moving.value
         if folder in ("", ".") or layer is None:
             show_error("choose a result folder and the moving image layer")
@@ -109,10 +136,11 @@ class InspectWidget(Container):
         self.play_button.enabled = self.export_button.enabled = False
         self.status.value = "computing frames"
         spacing = grid_step(transform.fixed_grid, self.grid_lines.value)
-        self.worker = create_worker(_frames, transform, moving, count, spacing, _start_thread=False)
-        self.worker.yielded.connect(self._frame_ready)
-        self.worker.finished.connect(self._frames_done)
-        self.worker.start()
+        worker = create_worker(_frames, transform, moving, count, spacing, _start_thread=False)
+        worker.yielded.connect(self._frame_ready)
+        worker.finished.connect(self._frames_done)
+        self.worker = worker
+        worker.start()
 
     def _frame_ready(self, item: tuple[int, FlowFrame]) -> None:
         index, frame = item
@@ -145,14 +173,25 @@ class InspectWidget(Container):
         if self.image_layer_name in layers and layers[self.image_layer_name].data.shape == frame.image.shape:
             layers[self.image_layer_name].data = frame.image
         else:
-            meta = {"name": self.image_layer_name, "affine": napari_affine(grid)}
+            meta: dict[str, Any] = {"name": self.image_layer_name, "affine": napari_affine(grid)}
             show_layer(self._viewer, (frame.image, meta, "image"))
         if GRID_LAYER in layers and len(layers[GRID_LAYER].data) == len(frame.grid_lines):
             layers[GRID_LAYER].data = frame.grid_lines
         else:
-            width = 0.5 * min(grid.spacing)
-            meta = {"name": GRID_LAYER, "shape_type": "path", "edge_color": "yellow", "edge_width": width}
-            show_layer(self._viewer, (frame.grid_lines, meta, "shapes"))
+            style = {"shape_type": "path", "edge_color": "yellow", "edge_width": 0.5 * min(grid.spacing)}
+            show_layer(self._viewer, (frame.grid_lines, {"name": GRID_LAYER, **style}, "shapes"))
+
+    def _drop_worker(self) -> None:
+        """Stop computing frames, ignoring those still to come."""
+        if self.worker is not None:
+            self.worker.yielded.disconnect(self._frame_ready)
+            self.worker.finished.disconnect(self._frames_done)
+            self.worker.quit()
+            self.worker = None
+
+    def _shut_down(self, *_: object) -> None:
+        self._timer.stop()
+        self._drop_worker()
 
     def play(self) -> None:
         """Start or stop looping through the frames at the chosen frames per second."""

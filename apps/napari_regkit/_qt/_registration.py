@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from magicgui.types import FileDialogMode
 from magicgui.widgets import ComboBox, Container, FileEdit, Label, LineEdit, ProgressBar, PushButton, SpinBox
 from napari.layers import Image as ImageLayer
 from napari.layers import Labels as LabelsLayer
-from napari.qt.threading import create_worker
+from napari.qt.threading import FunctionWorker, create_worker
 from napari.utils.notifications import show_error, show_info
+from qtpy.QtWidgets import QApplication
 from superqt.utils import ensure_main_thread
 
 from napari_regkit._io import registration_inputs
@@ -80,7 +82,9 @@ class RegistrationWidget(Container):
                 ComboBox(name="fixed_mask", label="fixed mask", choices=labels, nullable=True, value=None),
                 ComboBox(name="moving_mask", label="moving mask", choices=labels, nullable=True, value=None),
                 ComboBox(name="preset", label="preset", choices=[DEFAULT_PRESET, *list_presets()]),
-                FileEdit(name="config_file", label="or YAML file", mode="r", filter="*.yaml *.yml"),
+                FileEdit(
+                    name="config_file", label="or YAML file", mode=FileDialogMode.EXISTING_FILE, filter="*.yaml *.yml"
+                ),
                 LineEdit(
                     name="tessellation",
                     label="tessellation",
@@ -110,13 +114,19 @@ class RegistrationWidget(Container):
                 ProgressBar(name="progress", label="progress", min=0, max=_PROGRESS_STEPS, value=0),
                 Label(name="status", label="status", value="ready"),
                 ComboBox(name="compare", label="compare", choices=["off", *COMPARISONS]),
-                FileEdit(name="save_folder", label="result folder", mode="d"),
+                FileEdit(name="save_folder", label="result folder", mode=FileDialogMode.EXISTING_DIRECTORY),
                 PushButton(name="save_button", text="Save result", enabled=False),
             ]
         )
         self._stop = threading.Event()
-        self.worker = None  # the running registration's worker, if any
+        self._closed = False
+        self.worker: FunctionWorker | None = None  # the running registration's worker, if any
         self.last_run: RegistrationRun | None = None
+        # napari does not stop workers when it closes: stop ours when the widget is deleted or the application quits
+        self.native.destroyed.connect(self._shut_down)
+        app = QApplication.instance()
+        assert app is not None  # napari made it
+        app.aboutToQuit.connect(self._shut_down)
         self.register_button.changed.connect(self.start)
         self.cancel_button.changed.connect(self.cancel)
         self.compare.changed.connect(self._show_comparison)
@@ -163,7 +173,7 @@ class RegistrationWidget(Container):
             return
         labels = optional["moving_labels"]
         self._stop.clear()
-        self.worker = create_worker(
+        worker = create_worker(
             _register,
             inputs,
             config,
@@ -172,15 +182,16 @@ class RegistrationWidget(Container):
             grid_lines=self.grid_lines.value,
             progress=self._show_progress,
             preview=self._show_preview,
-            should_stop=self._stop.is_set,
+            should_stop=self._should_stop,
             _start_thread=False,
         )
-        self.worker.returned.connect(self._finish)
-        self.worker.finished.connect(self._finished)
+        worker.returned.connect(self._finish)
+        worker.finished.connect(self._finished)
         self.register_button.enabled, self.cancel_button.enabled = False, True
         self.progress.value = 0
         self.status.value = "starting"
-        self.worker.start()
+        self.worker = worker
+        worker.start()
 
     def cancel(self) -> None:
         """Ask the running registration to stop at its next iteration."""
@@ -188,19 +199,31 @@ class RegistrationWidget(Container):
             self._stop.set()
             self.status.value = "cancelling"
 
+    def _should_stop(self) -> bool:
+        """Polled by the engine in the worker thread: Cancel, the worker's ``quit()`` (napari's activity dock), or
+        the widget's destruction stop the registration."""
+        worker = self.worker
+        return self._stop.is_set() or (worker is not None and worker.abort_requested)
+
+    def _shut_down(self, *_: object) -> None:
+        self._closed = True
+        self._stop.set()
+
     @ensure_main_thread
     def _show_progress(self, p: Progress) -> None:
-        if self.worker is None:
+        if self.worker is None or self._closed:
             return
         self.progress.value = round(progress_fraction(p) * _PROGRESS_STEPS)
         self.status.value = progress_text(p)
 
     @ensure_main_thread
     def _show_preview(self, layer_data: LayerData) -> None:
-        if self.worker is not None and not self._stop.is_set():
+        if self.worker is not None and not self._should_stop():
             show_layer(self._viewer, layer_data)
 
     def _finish(self, outcome: RegistrationRun | _Failure) -> None:
+        if self._closed:
+            return
         if isinstance(outcome, _Failure):
             cancelled = isinstance(outcome.error, Cancelled)
             self.status.value = "cancelled" if cancelled else "failed"
@@ -215,6 +238,10 @@ class RegistrationWidget(Container):
             self._show_comparison()
 
     def _finished(self) -> None:
+        if self._closed:
+            return
+        if self.worker is not None and self.worker.abort_requested:  # quit(): the worker returns nothing
+            self.status.value = "cancelled"
         self.worker = None
         self.register_button.enabled, self.cancel_button.enabled = True, False
 
@@ -244,6 +271,8 @@ class RegistrationWidget(Container):
         worker.start()
 
     def _saved(self, outcome: Path | _Failure) -> None:
+        if self._closed:
+            return
         self.save_button.enabled = True
         if isinstance(outcome, _Failure):
             show_error(f"regkit: {outcome.error}")

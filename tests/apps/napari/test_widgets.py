@@ -18,7 +18,7 @@ pytest.importorskip("pytestqt")
 from napari_regkit._logic import deformed_grid_lines, grid_step, napari_affine  # noqa: E402
 from regkit.config import load_config  # noqa: E402
 from regkit.engine import register  # noqa: E402
-from regkit.io import Image, read_image  # noqa: E402
+from regkit.io import Image, read_image, write_image  # noqa: E402
 from regkit.outputs import resample, write_outputs  # noqa: E402
 from regkit.spatial.grid import Grid  # noqa: E402
 from regkit.transform import Transformation  # noqa: E402
@@ -201,6 +201,13 @@ def test_cancel_stops_a_running_registration(make_napari_viewer, qtbot, tmp_path
     assert "deformed grid" not in viewer.layers and widget.last_run is None
     assert widget.register_button.enabled and not widget.cancel_button.enabled
 
+    # the worker's quit() (the cancel button of napari's activity dock) stops it too
+    widget.start()
+    qtbot.waitUntil(lambda: widget.status.value.startswith("stage"), timeout=TIMEOUT_MS)
+    widget.worker.quit()
+    qtbot.waitUntil(lambda: widget.worker is None, timeout=TIMEOUT_MS)
+    assert widget.status.value == "cancelled" and widget.last_run is None
+
 
 def test_errors_are_notifications(make_napari_viewer, qtbot, monkeypatch, tmp_path: Path) -> None:
     import napari_regkit._qt._registration as module
@@ -232,23 +239,25 @@ def test_errors_are_notifications(make_napari_viewer, qtbot, monkeypatch, tmp_pa
 
 
 @pytest.fixture
-def saved_result(tmp_path: Path) -> tuple[Path, Image]:
-    """A registration of the 2D pair written with regkit.outputs (as ``regkit register`` writes it)."""
+def saved_result(tmp_path: Path) -> tuple[Path, Image, Path]:
+    """A registration of the 2D pair written with regkit.outputs (as ``regkit register`` writes it), and the moving
+    image and its file."""
     fixed, moving, _ = _pair(2)
     config = tmp_path / "quick.yaml"
     config.write_text(QUICK_CPAB.format(dim=2, iterations=5))
     result = register(fixed, moving, load_config(config))
     write_outputs(result, tmp_path / "result")
-    return tmp_path / "result", moving
+    return tmp_path / "result", moving, write_image(moving, tmp_path / "moving.mha")
 
 
 def test_inspect_widget_time_slider_play_and_export(make_napari_viewer, qtbot, saved_result, tmp_path: Path) -> None:
-    folder, moving = saved_result
+    folder, moving, moving_file = saved_result
     viewer = make_napari_viewer(show=True)
-    viewer.add_image(moving.data.numpy(), affine=napari_affine(moving.grid), name="moving")
     _, widget = viewer.window.add_plugin_dock_widget("regkit", "Inspect")
     widget.result_folder.value = folder
-    widget.moving.value = viewer.layers["moving"]
+    widget.moving_file.value = moving_file  # opens it as a layer in world space and chooses it
+    assert widget.moving.value is viewer.layers["moving"]
+    np.testing.assert_allclose(viewer.layers["moving"].affine.affine_matrix, napari_affine(moving.grid), atol=1e-9)
     widget.frames.value = 5
     widget.load()
     qtbot.waitUntil(lambda: widget.worker is None, timeout=TIMEOUT_MS)
