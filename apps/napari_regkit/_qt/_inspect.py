@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from magicgui.types import FileDialogMode
@@ -15,7 +14,7 @@ from qtpy.QtWidgets import QApplication
 
 from napari_regkit._io import image_layer, layer_image, layer_name
 from napari_regkit._logic import FlowFrame, flow_frame, grid_step, napari_affine, save_animation
-from napari_regkit._qt._layers import layer_choices, show_layer
+from napari_regkit._qt._layers import layer_choices, path_or_none, show_layer
 from regkit.errors import ImageDimensionError, RegkitError
 from regkit.io import read_image
 from regkit.outputs import OUTPUT_FILES
@@ -100,11 +99,11 @@ class InspectWidget(Container):
     def open_moving(self) -> None:
         """Open the chosen file as an image layer in world space (:func:`~napari_regkit._io.image_layer`) and choose
         it as the moving image."""
-        path = str(self.moving_file.value or "")
-        if path in ("", "."):
+        path = path_or_none(self.moving_file.value)
+        if path is None:
             return
         try:
-            layer_data = image_layer(read_image(path), layer_name(Path(path)), labels=False)
+            layer_data = image_layer(read_image(path), layer_name(path), labels=False)
         except RegkitError as err:
             show_error(f"regkit: {err}")
             return
@@ -114,12 +113,12 @@ class InspectWidget(Container):
         """Read the result folder's transformation and start computing the frames (errors: a notification)."""
         self.stop()
         self._drop_worker()
-        folder, layer = str(self.result_folder.value or ""), self.moving.value
-        if folder in ("", ".") or layer is None:
-            show_error("choose a result folder and the moving image layer")
+        folder, layer = path_or_none(self.result_folder.value), self.moving.value
+        if folder is None or layer is None:
+            show_error("regkit: choose a result folder and the moving image layer")
             return
         try:
-            transform = Transformation.load(Path(folder) / OUTPUT_FILES["transform"])
+            transform = Transformation.load(folder / OUTPUT_FILES["transform"])
             moving = layer_image(*layer.as_layer_data_tuple()[:2])
             if moving.ndim != transform.ndim:
                 raise ImageDimensionError(
@@ -212,9 +211,9 @@ class InspectWidget(Container):
 
     def export(self) -> None:
         """Write the animation to the chosen file: one screenshot of the canvas per frame, t from 0 to 1."""
-        path = str(self.export_path.value or "")
-        if path in ("", "."):
-            show_error("choose the file to export to (.gif or .mp4)")
+        path = path_or_none(self.export_path.value)
+        if path is None or len(self.frames_ready) < self.frame_count:
+            show_error("regkit: load a result, then choose the file to export to (.gif or .mp4)")
             return
         self.stop()
         start = self.t.value

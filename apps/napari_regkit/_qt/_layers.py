@@ -1,8 +1,9 @@
-"""Helpers shared by the widgets: layer choices and adding ``LayerData`` to a viewer."""
+"""Helpers shared by the widgets: layer choices, adding ``LayerData`` to a viewer, file fields."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from napari.layers import Layer
@@ -34,3 +35,9 @@ def show_layer(viewer: napari.viewer.Viewer, layer_data: LayerData) -> Layer:
     else:
         viewer.layers.append(layer)
     return layer
+
+
+def path_or_none(value: object) -> Path | None:
+    """A magicgui FileEdit's value, None when the field is empty (magicgui gives ``Path('.')`` for it)."""
+    text = str(value or "").strip()
+    return None if text in ("", ".") else Path(text)

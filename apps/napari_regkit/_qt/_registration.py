@@ -29,7 +29,7 @@ from napari_regkit._logic import (
     progress_text,
     run_registration,
 )
-from napari_regkit._qt._layers import layer_choices, show_layer
+from napari_regkit._qt._layers import layer_choices, path_or_none, show_layer
 from regkit.config import SIMILARITIES, list_presets
 from regkit.engine import Cancelled, Progress
 from regkit.errors import RegkitError
@@ -50,12 +50,6 @@ _PROGRESS_STEPS = 1000
 def _devices() -> list[str]:
     cuda = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     return [FROM_CONFIG, "auto", "cpu", *cuda]
-
-
-def _path_or_none(value: object) -> Path | None:
-    """A FileEdit's value, None when empty (magicgui gives ``Path('.')`` for an empty field)."""
-    text = str(value or "").strip()
-    return None if text in ("", ".") else Path(text)
 
 
 class RegistrationWidget(Container):
@@ -139,7 +133,7 @@ class RegistrationWidget(Container):
 
     def settings(self) -> RunSettings:
         """The :class:`~napari_regkit._logic.RunSettings` the controls describe (ConfigError for a bad schedule)."""
-        config: str | Path | None = _path_or_none(self.config_file.value)
+        config: str | Path | None = path_or_none(self.config_file.value)
         if config is None and self.preset.value != DEFAULT_PRESET:
             config = self.preset.value
         return RunSettings(
@@ -158,7 +152,7 @@ class RegistrationWidget(Container):
             return
         fixed, moving = self.fixed.value, self.moving.value
         if fixed is None or moving is None:
-            show_error("choose the fixed and the moving image layers")
+            show_error("regkit: choose the fixed and the moving image layers")
             return
         optional = {key: getattr(self, key).value for key in ("moving_labels", "fixed_mask", "moving_mask")}
         try:
@@ -169,7 +163,7 @@ class RegistrationWidget(Container):
             )
             config = build_config(self.settings(), inputs.fixed.ndim)
         except RegkitError as err:
-            show_error(str(err))
+            show_error(f"regkit: {err}")
             return
         labels = optional["moving_labels"]
         self._stop.clear()
@@ -260,9 +254,9 @@ class RegistrationWidget(Container):
 
     def save(self) -> None:
         """Write the last result (and warped labels) into the chosen folder, replacing an earlier result there."""
-        folder = _path_or_none(self.save_folder.value)
+        folder = path_or_none(self.save_folder.value)
         if self.last_run is None or folder is None:
-            show_error("register first, then choose the result folder")
+            show_error("regkit: register first, then choose the result folder")
             return
         run = self.last_run
         worker = create_worker(_save, run, folder, _start_thread=False)

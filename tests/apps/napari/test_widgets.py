@@ -289,6 +289,7 @@ def test_inspect_widget_time_slider_play_and_export(make_napari_viewer, qtbot, s
     qtbot.waitUntil(lambda: widget.t.value != 0.5, timeout=5_000)
     widget.play()  # stop
     assert widget.play_button.text == "Play"
+    widget.t.value = 0.5
 
     widget.export_path.value = tmp_path / "flow.gif"
     widget.export()
@@ -296,11 +297,13 @@ def test_inspect_widget_time_slider_play_and_export(make_napari_viewer, qtbot, s
 
     with PILImage.open(tmp_path / "flow.gif") as gif:
         assert gif.n_frames == 5
-        sizes = set()
+        pictures = []
         for index in range(gif.n_frames):
             gif.seek(index)
-            sizes.add(gif.size)
-        assert len(sizes) == 1 and min(next(iter(sizes))) > 50
+            pictures.append(np.asarray(gif.convert("RGB"), dtype=int))
+    assert len({picture.shape for picture in pictures}) == 1 and min(pictures[0].shape[:2]) > 50
+    assert np.abs(pictures[0] - pictures[-1]).mean() > 1  # the image and the grid moved between t = 0 and 1
+    assert widget.t.value == 0.5  # the slider is back where it was
 
 
 def test_inspect_widget_errors_are_notifications(make_napari_viewer, monkeypatch, tmp_path: Path) -> None:
