@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -469,3 +472,12 @@ def test_save_animation_mp4(tmp_path) -> None:
     meta = next(reader)
     assert meta["size"] == (32, 20) and meta["fps"] == 5
     assert sum(1 for _ in reader) == 10
+
+
+def test_the_logic_imports_neither_napari_nor_qt() -> None:
+    code = (
+        "import sys, napari_regkit._logic, napari_regkit._io; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'napari', 'PyQt6', 'PyQt5', 'qtpy', 'magicgui'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
