@@ -122,6 +122,7 @@ __all__ = [
     "device_label",
     "execute_job",
     "load_spec",
+    "local_workers_for",
     "lock_output_root",
     "plan_actions",
     "plan_local_workers",
@@ -759,6 +760,19 @@ def _check_pinned_devices(jobs: list[Job]) -> None:
             )
 
 
+def local_workers_for(jobs: list[Job], workers: int | None) -> list[LocalWorker]:
+    """The worker processes the dask executor starts for ``jobs`` when no scheduler address is given:
+    :func:`plan_local_workers` with this machine's CPU cores and its GPUs (``torch.cuda.device_count``), or no GPUs if
+    every job runs on the CPU. With GPUs, a job configured for ``cuda:N`` (N > 0) raises :class:`RegkitError`: a
+    pinned worker sees its one GPU as ``cuda``."""
+    import torch
+
+    gpus = 0 if all(job.config.device == "cpu" for job in jobs) else torch.cuda.device_count()
+    if gpus:
+        _check_pinned_devices(jobs)
+    return plan_local_workers(workers, gpus, _cpu_count())
+
+
 @contextlib.contextmanager
 def _local_cluster(workers: list[LocalWorker]) -> Iterator[Any]:
     """A ``dask.distributed`` cluster of one single-threaded worker process (Nanny) per :class:`LocalWorker`, each
@@ -813,12 +827,7 @@ def _run_dask(
         return
     with contextlib.ExitStack() as stack:
         if scheduler is None:
-            import torch
-
-            gpus = 0 if all(job.config.device == "cpu" for job in jobs) else torch.cuda.device_count()
-            if gpus:
-                _check_pinned_devices(jobs)
-            cluster = stack.enter_context(_local_cluster(plan_local_workers(workers, gpus, _cpu_count())))
+            cluster = stack.enter_context(_local_cluster(local_workers_for(jobs, workers)))
             client = stack.enter_context(Client(cluster))
         else:
             client = stack.enter_context(Client(scheduler))

@@ -60,12 +60,19 @@ def batch(
     """
     from rich.console import Console
 
-    from regkit.batch import Manifest, load_spec, plan_actions, run_batch
+    from regkit.batch import Manifest, load_spec, local_workers_for, plan_actions, run_batch
 
     plan = load_spec(spec)
     if dry_run:
         actions = plan_actions(plan, Manifest.read_only(plan.manifest), retry_failed, force)
-        Console(width=160).print(_plan_table(plan, actions))
+        console = Console(width=160)
+        console.print(_plan_table(plan, actions))
+        if executor is Executor.dask and scheduler is None:
+            todo = [job for job, action in zip(plan.jobs, actions, strict=True) if action == "run"]
+            for worker in local_workers_for(todo or plan.jobs, workers):
+                gpu = "no GPU" if worker.gpu is None else f"GPU {worker.gpu} (CUDA_VISIBLE_DEVICES={worker.gpu})"
+                threads = f"{worker.threads} CPU thread{'s' if worker.threads > 1 else ''}"
+                console.print(f"dask {worker.name}: {gpu}, {threads}", highlight=False)
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -11,10 +11,10 @@ from regkit.batch import MANIFEST, Manifest, lock_output_root
 from regkit.io import Image, read_image, write_image
 from regkit.spatial.grid import Grid
 from tests.apps.cli import run_cli
-from tests.core.test_batch import LIST_SPEC, corrupt, make_data, write_spec
+from tests.core.test_batch import LIST_SPEC, TINY_CONFIG, corrupt, make_data, write_spec
 
 
-def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys, monkeypatch):
     make_data(tmp_path)
     spec = write_spec(tmp_path, LIST_SPEC)
     before = sorted(tmp_path.rglob("*"))
@@ -22,6 +22,25 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 jobs" in out and "b_to_a" in out and "c_to_a" in out and out.count("run") >= 2
     assert sorted(tmp_path.rglob("*")) == before
+    monkeypatch.setattr("regkit.batch._cpu_count", lambda: 2)
+    assert run_cli(["batch", spec, "--dry-run", "--executor", "dask", "--workers", "3"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("dask ")]
+    assert lines == [f"dask worker-{i}: no GPU, 1 CPU thread" for i in range(3)]  # the jobs' device is cpu
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_dry_run_shows_the_gpu_pinning(tmp_path, capsys, monkeypatch):
+    make_data(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(TINY_CONFIG.replace("device: cpu", "device: auto"))
+    spec = write_spec(tmp_path, LIST_SPEC)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr("regkit.batch._cpu_count", lambda: 16)
+    assert run_cli(["batch", spec, "--dry-run", "--executor", "dask"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("dask ")]
+    assert lines == [
+        "dask worker-0: GPU 0 (CUDA_VISIBLE_DEVICES=0), 8 CPU threads",
+        "dask worker-1: GPU 1 (CUDA_VISIBLE_DEVICES=1), 8 CPU threads",
+    ]
 
 
 def test_failed_job_gives_exit_code_1_and_rerun_skips(tmp_path, capsys):
