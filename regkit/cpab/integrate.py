@@ -35,14 +35,14 @@ if TYPE_CHECKING:
     from regkit.cpab.basis import CPABasis
 
 FACES = ("reference", "torch", "triton")
-"""The integration backends offered here (``regkit._backend.resolve_backend``)."""
-AUTO_FACES = ("reference", "torch")
-"""What ``"auto"`` chooses from: ``"torch"``. The fused kernels are correct on CPU (interpreter) and H200 but compile
-for up to a minute on first use (3D backward); they join ``"auto"`` once that is fixed (issue 5). Ask for
-``backend="triton"`` to use them now."""
+"""The integration backends offered here; ``"auto"`` picks ``"triton"`` for CUDA tensors, else ``"torch"``
+(``regkit._backend.resolve_backend``)."""
 
 DEFAULT_STEPS = 50
-DEFAULT_CHECKPOINT_EVERY = 8
+DEFAULT_CHECKPOINT_EVERY = 5
+"""Steps per recomputed segment of the backward passes. The fused backward unrolls a segment, and Triton's compile time
+grows about as its cube (3D, measured through ptxas for sm_90: 5 steps 14 s, 8 steps 50 s on a busy CPU); 5 costs
+``ceil(T / 5) - 1`` checkpoints of the points (9 at T = 50)."""
 _CHUNK_ELEMENTS = 2**25  # forward sensitivities: temporaries of at most ~this many elements per chunk of columns
 _EXPM_CHUNK = 2**15  # cells per chunk of the matrix-exponential adjoint (bounds its temporaries to ~100 MB)
 
@@ -370,21 +370,20 @@ def integrate(
     ``points (N, n) | (B, N, n)``, ``A (C, n, n + 1) | (B, C, n, n + 1)`` -> ``(B?, N, n)``, domain coordinates.
     ``backend``: ``"reference"`` (:func:`integrate_reference`, unrolled autograd), ``"torch"`` (:class:`CPABIntegrate`,
     the factorized adjoint, ``checkpoint_every`` steps per recomputed segment), ``"triton"`` (the same in fused
-    kernels, ``regkit_kernels.cpab``; CUDA) or ``"auto"`` (``"torch"`` for now, see ``AUTO_FACES``).
-    All backends return the same values and the same gradients.
+    kernels, ``regkit_kernels.cpab``; CUDA) or ``"auto"`` (``"triton"`` on CUDA, else ``"torch"``).
+    All backends return the same values and the same gradients (``"triton"`` up to the rounding of its step matrices,
+    which it computes in its own kernel).
     """
     _check_steps(steps)
     if isinstance(checkpoint_every, bool) or int(checkpoint_every) != checkpoint_every or checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be a positive integer, got {checkpoint_every!r}")
-    chosen = resolve_backend(backend, points.device, "cpab", faces=AUTO_FACES if backend == "auto" else FACES)
+    chosen = resolve_backend(backend, points.device, "cpab", faces=FACES)
     if chosen == "reference":
         return integrate_reference(points, A, tess, t=t, steps=steps)
     P, A4, keep = _batched(points, A, tess)
-    if chosen == "triton":  # the fused kernels work on E; autograd of step_matrices carries dL/dE to A
+    if chosen == "triton":
         fused = load_kernels("cpab").cpab_integrate
-        return _unbatched(
-            fused(P, step_matrices(A4, t / steps), tess, steps=steps, checkpoint_every=checkpoint_every), keep
-        )
+        return _unbatched(fused(P, A4, tess, t=t, steps=steps, checkpoint_every=checkpoint_every), keep)
     return _unbatched(CPABIntegrate.apply(P, A4, tess, float(t), int(steps), int(checkpoint_every)), keep)
 
 

@@ -1,8 +1,10 @@
 """``regkit bench cpab``: time and peak memory of CPAB integration and its gradient, factorized adjoint vs baselines.
 
-Three ways to get ``dL/dtheta`` for ``L = sum(w * phi_theta(x))`` (random ``w``), all through the same expm-step
-scheme (``regkit.cpab.integrate``; ``zero`` boundary, float32, checkpoints every 8 steps):
+Ways to get ``dL/dtheta`` for ``L = sum(w * phi_theta(x))`` (random ``w``), all through the same expm-step
+scheme (``regkit.cpab.integrate``; ``zero`` boundary, float32, checkpoints every ``DEFAULT_CHECKPOINT_EVERY`` steps):
 
+* fused (CUDA only): ``integrate(..., backend="triton")``, the factorized adjoint in Triton kernels
+  (``regkit_kernels.cpab``); its first call, which compiles the kernels, is reported apart;
 * factorized: ``integrate(..., backend="torch")``, whose backward recomputes segments, accumulates per-cell moments
   and projects once (``O(T N)`` time, memory flat in ``d``);
 * unrolled autograd: ``integrate_reference``, autograd through every step (memory ``O(T N)``);
@@ -29,6 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from enum import Enum
+from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -39,9 +42,15 @@ from regkit_cli.bench._common import device_name, mib, render, rss_bytes
 if TYPE_CHECKING:
     import torch
 
-METHODS = ("factorized", "unrolled", "sensitivity")
-METHOD_TITLES = {"factorized": "factorized", "unrolled": "unrolled autograd", "sensitivity": "forward sensitivity"}
-_CHECKPOINT_EVERY = 8
+METHODS = ("fused", "factorized", "unrolled", "sensitivity")
+METHOD_TITLES = {
+    "fused": "fused (Triton)",
+    "factorized": "factorized (PyTorch)",
+    "unrolled": "unrolled autograd",
+    "sensitivity": "forward sensitivity",
+}
+_BACKENDS = {"fused": "triton", "factorized": "torch", "unrolled": "reference"}
+REGISTRATION_GRID = (160, 192, 224)  # the issue's registration case: one transformation of a dense 3D grid
 
 
 class Device(str, Enum):
@@ -60,6 +69,7 @@ class Case:
     steps: int
     method: str
     device: str
+    grid: bool = False  # the points are a dense grid of REGISTRATION_GRID voxels (``points`` is ignored)
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,7 @@ class Plan:
     memory_cap_bytes: int
     isolate: bool  # one subprocess per measurement (CPU peak memory)
     budget_s: float  # timing runs per measurement stop after this long (at least one, at most _MAX_RUNS)
+    registration: tuple[int, ...] = ()  # cells per axis of the registration-grid cases (CUDA)
 
 
 _MAX_RUNS = 5
@@ -111,7 +122,7 @@ def _plan(device: str, quick: bool) -> Plan:
         total = torch.cuda.get_device_properties(0).total_memory
         return Plan(
             title="the issue's sizes",
-            sizes={2: (16, 125_000, (4, 8, 16, 32)), 3: (8, 125_000, (2, 4, 8, 16))},
+            sizes={2: (16, 125_000, (4, 8, 12, 16, 24, 32)), 3: (8, 125_000, (2, 4, 8, 12, 16))},
             steps=50,
             sweep_cells=8,
             sweep=((31_250, 50), (62_500, 50), (125_000, 50), (125_000, 25), (125_000, 100)),
@@ -119,6 +130,7 @@ def _plan(device: str, quick: bool) -> Plan:
             memory_cap_bytes=int(0.6 * total),
             isolate=False,
             budget_s=2.0,
+            registration=(8, 16),
         )
     return Plan(
         title="CPU: fewer points and a smaller batch than the issue's 125,000 points x 16 (2D) / x 8 (3D)",
@@ -150,9 +162,13 @@ def _measure(case: Case, budget_s: float) -> dict[str, Any]:
     tess = Tessellation((case.cells,) * case.ndim)
     basis = cpa_basis(tess, "zero")
     theta = torch.randn(case.batch, basis.d, generator=gen).to(device)
-    points = torch.rand(case.points, case.ndim, generator=gen).to(device)
-    weights = torch.randn(case.batch, case.points, case.ndim, generator=gen).to(device)
-    backend = "reference" if case.method == "unrolled" else "torch"
+    if case.grid:
+        axes = [(torch.arange(s) + 0.5) / s for s in REGISTRATION_GRID]
+        points = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3).to(device)
+    else:
+        points = torch.rand(case.points, case.ndim, generator=gen).to(device)
+    weights = torch.randn(case.batch, *points.shape, generator=gen).to(device)
+    backend = _BACKENDS.get(case.method, "torch")
 
     def sync() -> None:
         if cuda:
@@ -168,16 +184,16 @@ def _measure(case: Case, budget_s: float) -> dict[str, Any]:
             forward_sensitivity_gradient(points, theta, basis, weights, steps=case.steps)
         else:
             th = theta.clone().requires_grad_(True)
-            out = integrate(
-                points, basis.to_A(th), tess, steps=case.steps, backend=backend, checkpoint_every=_CHECKPOINT_EVERY
-            )
+            out = integrate(points, basis.to_A(th), tess, steps=case.steps, backend=backend)
             sync()
             t1 = time.perf_counter()
             (out * weights).sum().backward()
         sync()
         return t1 - t0, time.perf_counter() - t1
 
-    run(points[:64], weights[:, :64])  # warm-up: lazy imports and initialisation, basis factors on the device
+    start = time.perf_counter()
+    run(points[:64], weights[:, :64])  # warm-up: lazy imports, initialisation, kernel compilation
+    first_s = time.perf_counter() - start
     peak: int | None = None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -201,6 +217,7 @@ def _measure(case: Case, budget_s: float) -> dict[str, Any]:
         "forward_s": min(t[0] for t in timings),
         "gradient_s": min(t[1] for t in timings),
         "peak_bytes": peak,
+        "first_s": first_s,
     }
 
 
@@ -290,8 +307,15 @@ def _ms(seconds: float) -> str:
 
 def _cells(result: dict[str, Any]) -> list[str]:
     if "skipped" in result:
-        return [result["skipped"], "", ""]
-    return [_ms(result["forward_s"]), _ms(result["gradient_s"]), mib(result["peak_bytes"])]
+        return [result["skipped"], "", "", "", ""]
+    total = result["forward_s"] + result["gradient_s"]
+    return [
+        _ms(result["forward_s"]),
+        _ms(result["gradient_s"]),
+        _ms(total),
+        mib(result["peak_bytes"]),
+        f"{result['first_s']:.1f}",
+    ]
 
 
 def cpab(
@@ -310,6 +334,8 @@ def cpab(
     import torch
     from rich.console import Console
 
+    from regkit.cpab.integrate import DEFAULT_CHECKPOINT_EVERY
+
     if device is Device.cuda and not torch.cuda.is_available():
         raise typer.BadParameter("CUDA is not available here", param_hint="--device")
     if threads is not None:
@@ -325,20 +351,23 @@ def cpab(
         memory = "peak resident set, in-process: rough"
     settings = (
         f"{device_name(device.value)}; float32, zero boundary, T = {plan.steps} steps (sweep aside), checkpoints "
-        f"every {_CHECKPOINT_EVERY} steps; sizes: {plan.title}. Times in ms, the best of up to {_MAX_RUNS} runs; peak "
-        f"memory in MiB above the inputs ({memory}); gradient = the backward pass, or for forward sensitivity the "
-        "whole sensitivity integration; skipped (cap) = predicted over the time or memory cap."
+        f"every {DEFAULT_CHECKPOINT_EVERY} steps; sizes: {plan.title}. Times in ms, the best of up to {_MAX_RUNS} "
+        f"runs; peak memory in MiB above the inputs ({memory}); gradient = the backward pass, or for forward "
+        "sensitivity the whole sensitivity integration; first s = the first (warm-up) call on 64 points, which "
+        "includes compiling the fused kernels when Triton's cache is cold; skipped (cap) = predicted over the time or "
+        "memory cap. The fused method runs on CUDA only."
     )
     console.print(settings)
     flags = f"--device {device.value}{' --quick' if quick else ''}{'' if threads is None else f' --threads {threads}'}"
     markdown = [f"### `regkit bench cpab {flags}`", "", settings, ""]
 
-    header = ["tessellation", "d", "method", "forward ms", "gradient ms", "peak MiB"]
+    methods = [m for m in METHODS if m != "fused" or device is Device.cuda]
+    header = ["tessellation", "d", "method", "forward ms", "gradient ms", "total ms", "peak MiB", "first s"]
     for ndim, (batch, points, cell_counts) in plan.sizes.items():
         rows = []
         for cells in cell_counts:
             name = "x".join([str(cells)] * ndim)
-            for method in METHODS:
+            for method in methods:
                 case = Case(ndim, cells, batch, points, plan.steps, method, device.value)
                 result = {"skipped": "skipped (cap)"} if caps.skip(case) else _run_case(case, plan)
                 caps.record(case, result)
@@ -348,13 +377,29 @@ def cpab(
         console.print(table)
         markdown += [md]
 
+    if plan.registration:
+        rows = []
+        for cells in plan.registration:
+            for method in methods[:2]:
+                case = Case(3, cells, 1, 0, plan.steps, method, device.value, grid=True)
+                rows.append([f"{cells}x{cells}x{cells}", f"{_dimension(3, cells):,}", METHOD_TITLES[method]])
+                rows[-1] += _cells(_run_case(case, plan))
+                console.print("  " + "  ".join(rows[-1]).rstrip(), style="dim")
+        grid = "x".join(map(str, REGISTRATION_GRID))
+        table, md = render(
+            f"registration grid {grid} ({prod(REGISTRATION_GRID):,} points), one transformation", header, rows
+        )
+        console.print(table)
+        markdown += [md]
+
     batch, _, _ = plan.sizes[2]
     rows = []
+    sweep_method = methods[0]
     for points, steps in plan.sweep:
-        case = Case(2, plan.sweep_cells, batch, points, steps, "factorized", device.value)
+        case = Case(2, plan.sweep_cells, batch, points, steps, sweep_method, device.value)
         rows.append([f"{points:,}", str(steps), *_cells(_run_case(case, plan))])
-    title = f"factorized, 2D {plan.sweep_cells}x{plan.sweep_cells}, batch {batch}: time grows with N and T"
-    table, md = render(title, ["N", "T", "forward ms", "gradient ms", "peak MiB"], rows)
+    title = f"{METHOD_TITLES[sweep_method]}, 2D {plan.sweep_cells}^2, batch {batch}: time grows with N and T"
+    table, md = render(title, ["N", "T", *header[3:]], rows)
     console.print(table)
     markdown += [md]
     if output is not None:

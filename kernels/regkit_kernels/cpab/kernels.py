@@ -8,7 +8,10 @@ floating-point contraction off, so every product and sum is rounded as in PyTorc
 Every program owns ``BLOCK`` points of one batch element (``program_id(1)``) and keeps them in registers through all
 steps. ``geom_ptr`` holds, in the working dtype, the box's ``lower`` (NDIM values), ``extent = upper - lower`` (NDIM)
 and the per-axis box counts (NDIM), rounded exactly as ``locate`` rounds them. ``e_ptr`` is the step-matrix table
-``E (B, C, NDIM, NDIM + 1)``, contiguous. Checkpoint ``s = 1 .. S - 1`` is the position after ``s K`` steps,
+``E (B, C, NDIM, 4)``, contiguous, each row padded to 4 values (zero last column in 2D), so that a row is one aligned
+vector load; the moment table has the same layout. Few, wide memory operations also keep Triton's compile time down
+(its coalescing pass grows much faster than linearly with the number of loads and atomics in the unrolled backward).
+Checkpoint ``s = 1 .. S - 1`` is the position after ``s K`` steps,
 ``S = ceil(T / K)`` (the points themselves are checkpoint 0); the checkpoint table holds ``(S - 1, B, N, NDIM)``.
 """
 
@@ -57,27 +60,49 @@ def _locate(x0, x1, x2, geom_ptr, NX, NY, NDIM: tl.constexpr):
 
 
 @triton.jit
-def _row(e_ptr, x0, x1, x2, ok, NDIM: tl.constexpr):
-    """``E_i [x; 1]`` for one row ``e_ptr -> E_i`` per point, in the spec's order."""
+def _unpack(v):
+    """The 4 columns of a ``[BLOCK, 4]`` tensor as ``[BLOCK]`` tensors (register moves, no arithmetic)."""
+    even, odd = tl.split(tl.reshape(v, [v.shape[0], 2, 2]))
+    c0, c2 = tl.split(even)
+    c1, c3 = tl.split(odd)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _pack(c0, c1, c2, c3):
+    """``[BLOCK, 4]`` from 4 ``[BLOCK]`` columns (the inverse of ``_unpack``)."""
+    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [c0.shape[0], 4])
+
+
+@triton.jit
+def _load_row(row_ptr, ok):
+    """Row ``row_ptr -> (4,)`` of a padded table for each point in one vector load, as its 4 columns."""
+    v = tl.load(row_ptr[:, None] + tl.arange(0, 4)[None, :], mask=ok[:, None], other=0.0)
+    return _unpack(v)
+
+
+@triton.jit
+def _affine_row(e0, e1, e2, e3, x0, x1, x2, NDIM: tl.constexpr):
+    """``E_i [x; 1]`` for row ``E_i = (e0, e1, e2[, e3])``, in the spec's order."""
+    y = e0 * x0 + e1 * x1
     if NDIM == 2:
-        y = tl.load(e_ptr, mask=ok, other=0.0) * x0 + tl.load(e_ptr + 1, mask=ok, other=0.0) * x1
-        return y + tl.load(e_ptr + 2, mask=ok, other=0.0)
+        return y + e2
     else:
-        y = tl.load(e_ptr, mask=ok, other=0.0) * x0 + tl.load(e_ptr + 1, mask=ok, other=0.0) * x1
-        y = y + tl.load(e_ptr + 2, mask=ok, other=0.0) * x2
-        return y + tl.load(e_ptr + 3, mask=ok, other=0.0)
+        return (y + e2 * x2) + e3
 
 
 @triton.jit
 def _step(e_batch, x0, x1, x2, ok, geom_ptr, NX, NY, NDIM: tl.constexpr):
     """One scheme step: the new points and the cells the step used."""
-    M: tl.constexpr = NDIM * (NDIM + 1)
     cell = _locate(x0, x1, x2, geom_ptr, NX, NY, NDIM)
-    e = e_batch + cell.to(tl.int64) * M
-    y0 = _row(e, x0, x1, x2, ok, NDIM)
-    y1 = _row(e + (NDIM + 1), x0, x1, x2, ok, NDIM)
+    e = e_batch + cell.to(tl.int64) * (4 * NDIM)
+    p0, p1, p2, p3 = _load_row(e, ok)
+    q0, q1, q2, q3 = _load_row(e + 4, ok)
+    y0 = _affine_row(p0, p1, p2, p3, x0, x1, x2, NDIM)
+    y1 = _affine_row(q0, q1, q2, q3, x0, x1, x2, NDIM)
     if NDIM == 3:
-        x2 = _row(e + 2 * (NDIM + 1), x0, x1, x2, ok, NDIM)
+        r0, r1, r2, r3 = _load_row(e + 8, ok)
+        x2 = _affine_row(r0, r1, r2, r3, x0, x1, x2, NDIM)
     return y0, y1, x2, cell
 
 
@@ -111,7 +136,7 @@ def _cpab_fwd_kernel(
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < N
     x0, x1, x2 = _load_points(x_ptr + b * x_batch_stride, idx, ok, NDIM)
-    e_batch = e_ptr + b * C * (NDIM * (NDIM + 1))
+    e_batch = e_ptr + b * C * (4 * NDIM)
     S = tl.cdiv(T, K)
     for seg in range(S):
         if seg > 0:
@@ -123,23 +148,17 @@ def _cpab_fwd_kernel(
 
 @triton.jit
 def _flush(mom_ptr, cell, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM: tl.constexpr):
-    """Add the accumulated moment rows of ``cell`` (row-major ``n x (n + 1)``) to the table where ``changed``."""
-    M: tl.constexpr = NDIM * (NDIM + 1)
-    p = mom_ptr + cell.to(tl.int64) * M
-    m = ok & changed & (cell >= 0)
-    tl.atomic_add(p, a0, mask=m, sem="relaxed")
-    tl.atomic_add(p + 1, a1, mask=m, sem="relaxed")
-    tl.atomic_add(p + 2, a2, mask=m, sem="relaxed")
-    tl.atomic_add(p + 3, a3, mask=m, sem="relaxed")
-    tl.atomic_add(p + 4, a4, mask=m, sem="relaxed")
-    tl.atomic_add(p + 5, a5, mask=m, sem="relaxed")
-    if NDIM == 3:
-        tl.atomic_add(p + 6, a6, mask=m, sem="relaxed")
-        tl.atomic_add(p + 7, a7, mask=m, sem="relaxed")
-        tl.atomic_add(p + 8, a8, mask=m, sem="relaxed")
-        tl.atomic_add(p + 9, a9, mask=m, sem="relaxed")
-        tl.atomic_add(p + 10, a10, mask=m, sem="relaxed")
-        tl.atomic_add(p + 11, a11, mask=m, sem="relaxed")
+    """Add the accumulated moment rows of ``cell`` (padded ``NDIM x 4``) to the table where ``changed``."""
+    p = (mom_ptr + cell.to(tl.int64) * (4 * NDIM))[:, None] + tl.arange(0, 4)[None, :]
+    m = (ok & changed & (cell >= 0))[:, None]
+    if NDIM == 2:
+        zero = tl.zeros_like(a0)
+        tl.atomic_add(p, _pack(a0, a1, a2, zero), mask=m, sem="relaxed")
+        tl.atomic_add(p + 4, _pack(a3, a4, a5, zero), mask=m, sem="relaxed")
+    else:
+        tl.atomic_add(p, _pack(a0, a1, a2, a3), mask=m, sem="relaxed")
+        tl.atomic_add(p + 4, _pack(a4, a5, a6, a7), mask=m, sem="relaxed")
+        tl.atomic_add(p + 8, _pack(a8, a9, a10, a11), mask=m, sem="relaxed")
 
 
 @triton.jit
@@ -149,19 +168,18 @@ def _cpab_bwd_kernel(
 ):  # fmt: skip
     """The adjoint sweep: ``lambda_T = g``, then for ``s = T - 1 .. 0``: ``dL/dE_{c_s} += lambda_{s+1} [x_s; 1]^T``
     and ``lambda_s = E_lin(c_s)^T lambda_{s+1}``. Writes ``gx = lambda_0 (B, N, NDIM)`` and, when ``MOMENTS``, adds
-    into ``mom (B, C, NDIM, NDIM + 1)`` (zeroed by the caller).
+    into ``mom (B, C, NDIM, 4)`` (zeroed by the caller).
 
     Segments are taken last first: the ``K`` positions and cells of a segment are recomputed from its checkpoint
     (bit-identical to the forward, so the same cells ``c_s``) into registers (tuples, unrolled: ``K`` is a compile-time
     constant), then swept backward. A point's moment is accumulated in registers while it stays in one cell and added
-    to the table (one atomic per entry) when its cell changes, and once at the end."""
-    M: tl.constexpr = NDIM * (NDIM + 1)
+    to the table (one vector of atomics per row) when its cell changes, and once at the end."""
     b = tl.program_id(1).to(tl.int64)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < N
     l0, l1, l2 = _load_points(g_ptr + b * N * NDIM, idx, ok, NDIM)
-    e_batch = e_ptr + b * C * M
-    mom_batch = mom_ptr + b * C * M
+    e_batch = e_ptr + b * C * (4 * NDIM)
+    mom_batch = mom_ptr + b * C * (4 * NDIM)
     zero = tl.zeros([BLOCK], dtype=l0.dtype)
     a0, a1, a2, a3, a4, a5 = zero, zero, zero, zero, zero, zero
     a6, a7, a8, a9, a10, a11 = zero, zero, zero, zero, zero, zero
@@ -184,7 +202,7 @@ def _cpab_bwd_kernel(
         for k in tl.static_range(K - 1, -1, -1):
             if k < length:
                 x0, x1, x2, cell = xs0[k], xs1[k], xs2[k], cells[k]
-                e = e_batch + cell.to(tl.int64) * M
+                e = e_batch + cell.to(tl.int64) * (4 * NDIM)
                 if MOMENTS:
                     changed = cell != current
                     _flush(mom_batch, current, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM)
@@ -209,18 +227,16 @@ def _cpab_bwd_kernel(
                         a9 = tl.where(changed, zero, a9) + l2 * x1
                         a10 = tl.where(changed, zero, a10) + l2 * x2
                         a11 = tl.where(changed, zero, a11) + l2
+                p0, p1, p2, _p3 = _load_row(e, ok)
+                q0, q1, q2, _q3 = _load_row(e + 4, ok)
                 if NDIM == 2:
-                    n0 = tl.load(e, mask=ok, other=0.0) * l0 + tl.load(e + 3, mask=ok, other=0.0) * l1
-                    n1 = tl.load(e + 1, mask=ok, other=0.0) * l0 + tl.load(e + 4, mask=ok, other=0.0) * l1
-                    l0, l1 = n0, n1
+                    l0, l1 = p0 * l0 + q0 * l1, p1 * l0 + q1 * l1
                 else:
-                    n0 = tl.load(e, mask=ok, other=0.0) * l0 + tl.load(e + 4, mask=ok, other=0.0) * l1
-                    n0 = n0 + tl.load(e + 8, mask=ok, other=0.0) * l2
-                    n1 = tl.load(e + 1, mask=ok, other=0.0) * l0 + tl.load(e + 5, mask=ok, other=0.0) * l1
-                    n1 = n1 + tl.load(e + 9, mask=ok, other=0.0) * l2
-                    n2 = tl.load(e + 2, mask=ok, other=0.0) * l0 + tl.load(e + 6, mask=ok, other=0.0) * l1
-                    n2 = n2 + tl.load(e + 10, mask=ok, other=0.0) * l2
-                    l0, l1, l2 = n0, n1, n2
+                    r0, r1, r2, _r3 = _load_row(e + 8, ok)
+                    n0 = (p0 * l0 + q0 * l1) + r0 * l2
+                    n1 = (p1 * l0 + q1 * l1) + r1 * l2
+                    l2 = (p2 * l0 + q2 * l1) + r2 * l2
+                    l0, l1 = n0, n1
     if MOMENTS:
         _flush(mom_batch, current, current >= 0, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM)
     _store_points(gx_ptr + b * N * NDIM, idx, l0, l1, l2, ok, NDIM)

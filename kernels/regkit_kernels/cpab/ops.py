@@ -1,8 +1,8 @@
 """Fused CPAB integration: launchers, the autograd Function and the functional entry point.
 
-The Function works on the step-matrix table ``E (B, C, n, n + 1)`` (``regkit.cpab.integrate.step_matrices``), not on
-``A``: this package depends only on torch and triton, so the caller computes ``E`` from ``A`` in PyTorch and autograd
-carries ``dL/dE`` (the per-cell moments written by the backward kernel) through the matrix exponential to ``A``.
+The launchers work on the step-matrix table ``E (B, C, n, n + 1)``; the Function takes the cells' affine velocities
+``A`` as ``regkit.cpab.integrate.CPABIntegrate`` does, computes ``E`` and pulls ``dL/dE`` (the per-cell moments written
+by the backward kernel) back to ``dL/dA`` with the kernels of ``expm.py``.
 ``tess`` is any object with ``shape`` (per-axis box counts, x first), ``lower`` and ``upper`` (``regkit``'s
 ``Tessellation``); the cell numbering is that of ``Tessellation.locate``.
 """
@@ -19,6 +19,7 @@ import triton
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from regkit_kernels.cpab.expm import padded_rows, step_matrices, step_matrices_vjp
 from regkit_kernels.cpab.kernels import _cpab_bwd_kernel, _cpab_fwd_kernel
 
 _BLOCK = 128  # points per program on the GPU (one per thread with 4 warps)
@@ -52,8 +53,8 @@ def _check(points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: i
     cells = (4 if n == 2 else 5) * math.prod(tess.shape)
     if n not in (2, 3) or points.ndim != 3 or points.shape[-1] != n:
         raise ValueError(f"points must be (B, N, n) with n = {n} in (2, 3), got {tuple(points.shape)}")
-    if E.shape != (points.shape[0], cells, n, n + 1):
-        raise ValueError(f"E must be ({points.shape[0]}, {cells}, {n}, {n + 1}), got {tuple(E.shape)}")
+    if E.shape[:-1] != (points.shape[0], cells, n) or E.shape[-1] not in (n + 1, 4):
+        raise ValueError(f"E must be ({points.shape[0]}, {cells}, {n}, {n + 1} or 4), got {tuple(E.shape)}")
     if points.dtype not in _DTYPES or E.dtype != points.dtype or E.device != points.device:
         raise ValueError(f"points and E must share a float32/float64 dtype and a device, got {points.dtype}, {E.dtype}")
     if points.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -81,13 +82,14 @@ def _launch_args(points: Tensor, tess: Box) -> tuple[tuple[int, int], int, int, 
 
 
 def cpab_fwd(points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: int) -> tuple[Tensor, Tensor]:
-    """The expm-step scheme for ``steps`` steps with step matrices ``E (B, C, n, n + 1)`` from ``points (B, N, n)``
+    """The expm-step scheme for ``steps`` steps with step matrices ``E (B, C, n, n + 1)`` (or in padded rows,
+    ``expm.padded_rows``) from ``points (B, N, n)``
     (domain coordinates; the batch dimension may be a stride-0 broadcast). Returns the end points ``(B, N, n)`` and the
     checkpoints ``(S - 1, B, N, n)``: the positions after ``K, 2K, ...`` steps, ``S = ceil(steps / K)`` (the backward
     pass takes the points themselves for the first segment)."""
     _check(points, E, tess, steps, checkpoint_every)
     B, N, n = points.shape
-    points, E = _rows(points), E.contiguous()
+    points, E = _rows(points), padded_rows(E)
     out = points.new_empty((B, N, n))
     checkpoints = points.new_empty((-(-steps // checkpoint_every) - 1, B, N, n))
     grid, block, nx, ny = _launch_args(points, tess)
@@ -110,11 +112,12 @@ def cpab_bwd(
     moments: bool,
 ) -> tuple[Tensor, Tensor | None]:
     """The fused factorized adjoint for ``grad_out = dL/dx_T (B, N, n)``, given the forward pass's points and
-    checkpoints: returns ``dL/dpoints (B, N, n)`` and, when ``moments``, ``dL/dE (B, C, n, n + 1)`` (the per-cell
-    moments ``sum lambda_{s+1} [x_s; 1]^T``; float atomics, so the summation order varies between runs). The segment
+    checkpoints: returns ``dL/dpoints (B, N, n)`` and, when ``moments``, ``dL/dE (B, C, n, 4)`` in padded rows (the
+    per-cell moments ``sum lambda_{s+1} [x_s; 1]^T``; float atomics, so the summation order varies between runs). The
+    segment
     length ``checkpoint_every`` is a compile-time constant of the backward kernel (its steps are unrolled)."""
     B, N, n = grad_out.shape
-    points, grad_out, E = _rows(points), grad_out.contiguous(), E.contiguous()
+    points, grad_out, E = _rows(points), grad_out.contiguous(), padded_rows(E)
     grad_points = torch.empty_like(grad_out)
     grad_E = torch.zeros_like(E) if moments else E.new_zeros(1)
     grid, block, nx, ny = _launch_args(grad_out, tess)
@@ -128,35 +131,40 @@ def cpab_bwd(
 
 
 class CPABIntegrateTriton(torch.autograd.Function):
-    """The expm-step scheme with the fused factorized adjoint, on the step-matrix table.
+    """The expm-step scheme with the fused factorized adjoint.
 
-    ``CPABIntegrateTriton.apply(points (B, N, n), E (B, C, n, n + 1), tess, steps, checkpoint_every) -> (B, N, n)``,
-    domain coordinates. Same values and gradients as ``regkit.cpab.integrate.CPABIntegrate`` given
-    ``E = step_matrices(A, t / steps)``: the gradients differentiate the discrete scheme with the visited cells fixed;
-    ``dL/dE`` is the per-cell moment table, which autograd of ``step_matrices`` turns into ``dL/dA``.
+    ``CPABIntegrateTriton.apply(points (B, N, n), A (B, C, n, n + 1), tess, t, steps, checkpoint_every) -> (B, N, n)``,
+    domain coordinates: the signature and the values of ``regkit.cpab.integrate.CPABIntegrate``, up to the rounding of
+    the step matrices (``E = expm.step_matrices(A, t / steps)``, one kernel, instead of ``torch.linalg.matrix_exp``).
+    The gradients differentiate the discrete scheme with the visited cells fixed: the backward kernel writes
+    ``dL/dE``, the per-cell moment table, and ``expm.step_matrices_vjp`` turns it into ``dL/dA``.
     """
 
     @staticmethod
-    def forward(ctx: Any, points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: int) -> Tensor:
+    def forward(ctx: Any, points: Tensor, A: Tensor, tess: Box, t: float, steps: int, checkpoint_every: int) -> Tensor:
+        E = step_matrices(A, t / steps)
         out, checkpoints = cpab_fwd(points, E, tess, steps, checkpoint_every)
-        ctx.save_for_backward(points, E, checkpoints)
-        ctx.tess, ctx.steps, ctx.checkpoint_every = tess, steps, checkpoint_every
+        ctx.save_for_backward(points, A, E, checkpoints)
+        ctx.tess, ctx.h, ctx.steps, ctx.checkpoint_every = tess, t / steps, steps, checkpoint_every
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        need_points, need_E = ctx.needs_input_grad[:2]
-        if not (need_points or need_E):
-            return None, None, None, None, None
-        points, E, checkpoints = ctx.saved_tensors
+        need_points, need_A = ctx.needs_input_grad[:2]
+        if not (need_points or need_A):
+            return None, None, None, None, None, None
+        points, A, E, checkpoints = ctx.saved_tensors
         grad_points, grad_E = cpab_bwd(
-            points, checkpoints, grad_out, E, ctx.tess, ctx.steps, ctx.checkpoint_every, need_E
+            points, checkpoints, grad_out, E, ctx.tess, ctx.steps, ctx.checkpoint_every, need_A
         )
-        return (grad_points if need_points else None), grad_E, None, None, None
+        grad_A = step_matrices_vjp(A, ctx.h, grad_E) if grad_E is not None else None
+        return (grad_points if need_points else None), grad_A, None, None, None, None
 
 
-def cpab_integrate(points: Tensor, E: Tensor, tess: Box, *, steps: int, checkpoint_every: int) -> Tensor:
-    """Integrate ``points (B, N, n)`` (domain coordinates) for ``steps`` expm steps with the step matrices
-    ``E (B, C, n, n + 1)`` of ``tess``; differentiable with respect to both (:class:`CPABIntegrateTriton`)."""
-    return CPABIntegrateTriton.apply(points, E, tess, int(steps), int(checkpoint_every))
+def cpab_integrate(
+    points: Tensor, A: Tensor, tess: Box, *, t: float = 1.0, steps: int, checkpoint_every: int
+) -> Tensor:
+    """Integrate ``points (B, N, n)`` (domain coordinates) for time ``t`` in ``steps`` expm steps through the CPA
+    field ``A (B, C, n, n + 1)`` of ``tess``; differentiable with respect to both (:class:`CPABIntegrateTriton`)."""
+    return CPABIntegrateTriton.apply(points, A, tess, float(t), int(steps), int(checkpoint_every))
