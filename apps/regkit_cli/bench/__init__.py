@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from regkit_cli.bench.batch import batch
+from regkit_cli.bench.accuracy import accuracy
 from regkit_cli.bench.cpab import cpab
 from regkit_cli.bench.registration import registration
 from regkit_cli.bench.wtconv import wtconv
@@ -18,4 +19,5 @@ app = typer.Typer(
 app.command("cpab")(cpab)
 app.command("wtconv")(wtconv)
 app.command("registration")(registration)
+app.command("accuracy")(accuracy)
 app.command("batch")(batch)
