@@ -159,14 +159,15 @@ def _last_line(path: Path, fallback: str) -> str:
 
 
 def run_process(args: list[str], log: Path, env: dict[str, str], timeout: float) -> dict[str, Any]:
-    """Run ``args`` with stdout and stderr into ``log``; ``{"returncode", "wall_s", "peak_rss_bytes"}``, the peak
+    """Run ``args`` in the folder of ``log`` (tools that drop files in their working folder, as transformix does, drop
+    them there), stdout and stderr into ``log``; ``{"returncode", "wall_s", "peak_rss_bytes"}``, the peak
     resident set from ``os.wait4``'s ``ru_maxrss`` (this child alone, its own threads included); returncode None when
     it was killed at ``timeout`` seconds."""
     import subprocess
 
     start = time.perf_counter()
     with open(log, "w") as sink:
-        proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=log.parent)
     timed_out = False
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -486,6 +487,7 @@ def accuracy(
         raise typer.BadParameter("CUDA is not available here", param_hint="--device")
     console = Console()
     envs = Environments(bench_python, fireants_python)
+    out = out.resolve()  # the tools run in their own folders: every path they get is absolute
     out.mkdir(parents=True, exist_ok=True)
     env = _child_env(threads)
 
