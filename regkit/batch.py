@@ -38,7 +38,7 @@ histograms). ``.batch.lock`` in the output root is held with ``fcntl.flock`` for
 whole run: a second run on the same root is refused.
 
 Executors: ``local`` runs the jobs one after another in this process, each on its configuration's ``device``.
-``dask`` runs each job as one task of :func:`run_job` (the same function) on a ``dask.distributed`` cluster:
+``dask`` runs each job as one task of :func:`execute_job` (as the local executor does) on a dask.distributed cluster:
 
 * by default a local cluster of single-threaded worker processes (:func:`plan_local_workers`): one per GPU when the
   jobs may use a GPU (device ``auto`` or ``cuda``) and GPUs exist, each pinned to its GPU by ``CUDA_VISIBLE_DEVICES``
