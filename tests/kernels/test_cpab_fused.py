@@ -156,12 +156,18 @@ def test_realistic_sizes_gpu(ndim, shape, batch):
     assert torch.equal(got[0], want[0])
     assert all(torch.isfinite(g).all() for g in got)
     # theta's gradient sums 50 steps x 50k points per cell in float32, in another order (atomics): measured on the
-    # H200, 3e-5 relative at 16x16 cells; 2e-4 bounds that reordering, far below any real error. Against the torch
-    # path, its float32 matrix-exponential adjoint adds its own error at these large velocities (the fused adjoint
-    # works in float64): on a CPU replica of the (5, 7) case, torch is 3.7e-4 from the float64 gradient, fused 1.4e-4.
-    for name, g, w, a in zip(("dL/dpoints", "dL/dtheta"), got[1:], want[1:], again[1:], strict=True):
-        _assert_close(g, w, name, tol=1e-3)
+    # H200, 3e-5 relative at 16x16 cells; 2e-4 bounds that reordering, far below any real error.
+    _assert_close(got[1], want[1], "dL/dpoints")
+    for name, g, a in zip(("dL/dpoints", "dL/dtheta"), got[1:], again[1:], strict=True):
         _assert_close(a, g, f"{name} (second run)", tol=2e-4)
+    # dL/dtheta against the torch path: at these large velocities its float32 adjoint of the matrix exponential is off
+    # by up to 2e-3 (measured on the H200), the fused one (float64 inside) much less. So both are held against the
+    # float64 torch path: the fused gradient must be at least as close to it as the float32 torch gradient.
+    truth = _gradients(points.double(), theta.double(), basis, grad.double(), "torch", 50, 5)[2]
+    scale = truth.abs().max().item()
+    fused_error = (got[2].double() - truth).abs().max().item() / scale
+    torch_error = (want[2].double() - truth).abs().max().item() / scale
+    assert fused_error <= max(1.5 * torch_error, 1e-4), f"dL/dtheta: fused {fused_error:.2e}, torch {torch_error:.2e}"
 
 
 @pytest.mark.parametrize("ndim", [2, 3])
