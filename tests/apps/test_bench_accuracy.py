@@ -144,10 +144,9 @@ def test_t2_like_reverses_the_tissue_order_and_tissue_classes_threshold():
     assert labels.data.tolist() == [[0, 1], [2, 3]] and len(thresholds) == 3
 
 
-def test_run_process_reports_peak_memory_and_kills_at_the_timeout(tmp_path: Path):
-    grow = "import numpy; a = numpy.ones(40 * 2**20 // 8); print(a.sum())"  # 40 MiB touched
-    done = run_process([sys.executable, "-c", grow], tmp_path / "grow.log", {}, timeout=60)
-    assert done["returncode"] == 0 and done["peak_rss_bytes"] > 40 * 2**20
+def test_run_process_reports_the_exit_code_and_kills_at_the_timeout(tmp_path: Path):
+    done = run_process([sys.executable, "-c", "print('hello')"], tmp_path / "hello.log", {}, timeout=60)
+    assert done["returncode"] == 0 and (tmp_path / "hello.log").read_text() == "hello\n"
     slow = run_process([sys.executable, "-c", "import time; time.sleep(30)"], tmp_path / "slow.log", {}, timeout=0.5)
     assert slow["returncode"] is None and slow["wall_s"] < 20
 
@@ -186,7 +185,7 @@ def test_tiny_regkit_only_run_writes_the_tables(tmp_path: Path):
     assert float(ours["dice"]) > float(rows["before"]["dice"])
     assert float(ours["dice_tool_warp"]) == pytest.approx(float(ours["dice"]), abs=0.02)
     assert float(ours["folds"]) == 0.0 and float(ours["epe_mm"]) < float(rows["before"]["epe_mm"])
-    assert float(ours["registration_s"]) > 0 and float(ours["peak_rss_mib"]) > 0
+    assert float(ours["registration_s"]) > 0 and 50 < float(ours["peak_rss_mib"]) < 4000
     markdown = (out / "accuracy.md").read_text()
     assert "--pairs mni2d --tools regkit-lncc,ants" in markdown
     assert "| tool | Dice | HD95 mm | folds | SDlogJ | EPE mm | reg s | wall s | peak RSS MiB | GPU MiB |" in markdown

@@ -15,7 +15,8 @@ metrics are computed here, the same way for every tool, with :mod:`regkit.spatia
 * EPE (where the truth is known): mean ``|u - u_true|`` (mm) over the fixed image's labelled voxels;
 * runtime: the registration call alone, timed inside the runner (``reg s``; image loading and field export excluded;
   on CUDA after one untimed warm-up unless ``--no-warmup``), and the whole subprocess (``wall s``);
-* memory: the peak resident set of the tool's subprocess (``os.wait4``'s ``ru_maxrss``), and for torch tools on CUDA
+* memory: the peak resident set of the tool's process (its ``VmHWM``, read by the runner at its end; the parent's
+  ``ru_maxrss`` of a child would include the parent's own resident set at ``fork``), and for torch tools on CUDA
   ``torch.cuda.max_memory_allocated``.
 
 Two reference rows per pair: ``before`` (identity field) and ``truth`` (the true field, where known: the best Dice the
@@ -160,29 +161,20 @@ def _last_line(path: Path, fallback: str) -> str:
 
 def run_process(args: list[str], log: Path, env: dict[str, str], timeout: float) -> dict[str, Any]:
     """Run ``args`` in the folder of ``log`` (tools that drop files in their working folder, as transformix does, drop
-    them there), stdout and stderr into ``log``; ``{"returncode", "wall_s", "peak_rss_bytes"}``, the peak
-    resident set from ``os.wait4``'s ``ru_maxrss`` (this child alone, its own threads included); returncode None when
-    it was killed at ``timeout`` seconds."""
+    them there), stdout and stderr into ``log``; ``{"returncode", "wall_s"}``, returncode None when it was killed at
+    ``timeout`` seconds."""
     import subprocess
 
     start = time.perf_counter()
     with open(log, "w") as sink:
         proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=log.parent)
-    timed_out = False
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        if time.perf_counter() - start > timeout and not timed_out:
-            proc.kill()
-            timed_out = True
-        time.sleep(0.2)
-    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4: keep Popen from waiting again
-    return {
-        "returncode": None if timed_out else proc.returncode,
-        "wall_s": time.perf_counter() - start,
-        "peak_rss_bytes": usage.ru_maxrss * 1024,
-    }
+    try:
+        returncode: int | None = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        returncode = None
+    return {"returncode": returncode, "wall_s": time.perf_counter() - start}
 
 
 def probe_tool(tool: str, envs: Environments, env: dict[str, str], folder: Path) -> tuple[str | None, str]:
@@ -205,8 +197,8 @@ def _regkit_config(tool: str, ndim: int, overrides: dict[str, str]) -> str:
 def run_tool(
     tool: str, pair_dir: Path, run_dir: Path, spec_extra: dict[str, Any], envs: Environments, timeout: float
 ) -> dict[str, Any]:
-    """Run one tool on one written pair; returns the runner's ``result.json`` plus ``wall_s`` and
-    ``peak_rss_bytes``, or ``{"failed": reason}``."""
+    """Run one tool on one written pair; returns the runner's ``result.json`` plus ``wall_s``, or
+    ``{"failed": reason}``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     info = json.loads((pair_dir / "pair.json").read_text())
     spec = {
@@ -233,7 +225,7 @@ def run_tool(
     if done["returncode"] != 0 or not (run_dir / "result.json").is_file():
         return {"failed": _last_line(run_dir / "runner.log", f"exit code {done['returncode']}")}
     result = json.loads((run_dir / "result.json").read_text())
-    process = {"wall_s": done["wall_s"], "peak_rss_bytes": done["peak_rss_bytes"]}
+    process = {"wall_s": done["wall_s"]}
     (run_dir / "process.json").write_text(json.dumps(process))
     return {**result, **process}
 
@@ -262,7 +254,8 @@ def _tool_row(pair: BenchPair, tool: str, run_dir: Path, outcome: dict[str, Any]
     row.metrics["dice_tool_warp"] = mean_dice(pair.fixed_labels.data, warped.to(pair.fixed_labels.data.dtype))
     row.metrics["registration_s"] = float(outcome["seconds"])
     row.metrics["wall_s"] = float(outcome["wall_s"])
-    row.metrics["peak_rss_mib"] = outcome["peak_rss_bytes"] / MiB
+    if outcome.get("peak_rss_bytes") is not None:
+        row.metrics["peak_rss_mib"] = outcome["peak_rss_bytes"] / MiB
     if outcome.get("gpu_peak_bytes") is not None:
         row.metrics["gpu_peak_mib"] = outcome["gpu_peak_bytes"] / MiB
     return row
@@ -522,7 +515,7 @@ def accuracy(
         "labels; folds: fraction of non-positive Jacobian determinants, SDlogJ (Learn2Reg, central differences of "
         "every tool's field); EPE: mean endpoint error over labelled fixed voxels; reg s: the registration call "
         f"alone{' after one warm-up run' if device is Device.cuda and warmup else ''}; wall s: the whole tool "
-        "process; peak RSS: the tool process's resident set (ru_maxrss); before/truth: the identity and the "
+        "process; peak RSS: the tool process's peak resident set (VmHWM); before/truth: the identity and the "
         "true field.",
     ]
     rows: list[Row] = []
