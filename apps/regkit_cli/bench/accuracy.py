@@ -301,8 +301,13 @@ def _mean(rows: list[Row], key: str) -> float:
     return float(np.mean(values)) if values else math.nan
 
 
+def _largest(rows: list[Row], key: str) -> float:
+    values = [row.value(key) for row in rows if not math.isnan(row.value(key))]
+    return max(values) if values else math.nan
+
+
 def summary_table(rows: list[Row], pair_set: str, tools: list[str]) -> list[str]:
-    """Markdown lines: one row per tool (means over the set's pairs; peak memory: the largest)."""
+    """Markdown lines: one row per tool (means over the set's pairs that finished; peak memory: the largest)."""
     header = ["tool", "Dice", "HD95 mm", "folds", "SDlogJ", "EPE mm", "reg s", "wall s", "peak RSS MiB", "GPU MiB"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["--:"] * (len(header) - 1)) + "|"]
     for tool in [*REFERENCES, *tools]:
@@ -310,13 +315,16 @@ def summary_table(rows: list[Row], pair_set: str, tools: list[str]) -> list[str]
         if not mine:
             continue
         failed = [row for row in mine if row.status != "ok"]
-        if failed:
+        if len(failed) == len(mine):
             lines.append(f"| {tool} | {failed[0].status} |" + " |" * (len(header) - 2))
             continue
-        peak = max(row.value("peak_rss_mib") for row in mine)
-        gpu = max(row.value("gpu_peak_mib") for row in mine)
+        name = tool
+        if failed:  # means over the pairs that finished; say how many did not
+            name = f"{tool} ({len(mine) - len(failed)} of {len(mine)} pairs; {failed[0].status})"
+            mine = [row for row in mine if row.status == "ok"]
+        peak, gpu = _largest(mine, "peak_rss_mib"), _largest(mine, "gpu_peak_mib")
         cells = [
-            tool,
+            name,
             _fmt(_mean(mine, "dice")),
             _fmt(_mean(mine, "hd95_mm"), 2),
             _fmt_folds(_mean(mine, "folds")),
