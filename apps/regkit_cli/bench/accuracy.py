@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from regkit_cli.bench._common import MiB, device_name
-from regkit_cli.bench.accuracy_pairs import ITK_DATA, PAIR_SETS, make_pairs, read_displacement, read_pair, write_pair
 from regkit_cli.bench.accuracy_runners import TOOLS
 from regkit_cli.bench.registration import Device
 
@@ -56,6 +55,9 @@ if TYPE_CHECKING:
 RUNNER = Path(__file__).with_name("accuracy_runners.py")
 DEFAULT_PAIRS = "2mm,contrast,itk2d,nibabel"
 DEFAULT_TOOLS = "regkit-lncc,regkit-mi,ants,elastix,sitk,fireants"
+# Defined here, not in accuracy_pairs (which imports torch), so that the CLI's help starts without torch.
+PAIR_SETS = ("2mm", "1mm", "contrast", "contrast1mm", "itk2d", "nibabel", "mni2d", "sanity")
+ITK_DATA = Path("/usr/share/doc/insighttoolkit5-examples/examples/Data")
 REFERENCES = ("before", "truth")
 # regkit tool -> similarity kind of its preset ``accuracy-{ndim}d-{kind}``
 _REGKIT_KINDS = {"regkit-lncc": "lncc", "regkit-mi": "mi", "regkit-features": "features"}
@@ -242,6 +244,7 @@ def _tool_row(pair: BenchPair, tool: str, run_dir: Path, outcome: dict[str, Any]
     """Evaluate a finished run (the field read from ``run_dir``) into a row."""
     from regkit.io import read_image
     from regkit.spatial.metrics import mean_dice
+    from regkit_cli.bench.accuracy_pairs import read_displacement
 
     row = Row(pair.pair_set, pair.name, tool, version=str(outcome.get("version", "")))
     try:
@@ -478,6 +481,7 @@ def accuracy(
     from rich.console import Console
 
     from regkit.config import load_config
+    from regkit_cli.bench.accuracy_pairs import make_pairs, read_pair, write_pair
 
     chosen_sets = _choices(pairs, PAIR_SETS, "pair sets")
     chosen_tools = _choices(tools, list(TOOLS), "tools")

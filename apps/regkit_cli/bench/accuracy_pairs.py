@@ -46,6 +46,7 @@ import torch
 from regkit.errors import RegkitError
 from regkit.io import Image, read_image, write_image
 from regkit.spatial.grid import Grid
+from regkit_cli.bench.accuracy import ITK_DATA, PAIR_SETS
 
 __all__ = [
     "ITK_DATA",
@@ -60,8 +61,6 @@ __all__ = [
     "write_pair",
 ]
 
-PAIR_SETS = ("2mm", "1mm", "contrast", "contrast1mm", "itk2d", "nibabel", "mni2d", "sanity")
-ITK_DATA = Path("/usr/share/doc/insighttoolkit5-examples/examples/Data")
 MULTIMODAL = "multi"
 _MONO = "mono"
 _NILEARN_FILES = {
