@@ -643,8 +643,10 @@ def _presets_dir() -> Path:
 
 
 def list_presets() -> list[str]:
-    """Names of the configuration presets shipped with regkit (``regkit/configs/NAME.yaml``), sorted."""
-    return sorted(p.stem for p in _presets_dir().glob("*.yaml"))
+    """Names of the registration presets shipped with regkit (``regkit/configs/NAME.yaml``), sorted; the feature
+    network's training configurations there (``features-*.yaml``, see ``regkit.features.train_config``) are not
+    registration presets."""
+    return sorted(p.stem for p in _presets_dir().glob("*.yaml") if not p.stem.startswith("features-"))
 
 
 @dataclass(frozen=True)

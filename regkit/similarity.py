@@ -16,9 +16,13 @@ The names are the ones the YAML configuration uses; every loss is minimised (bes
   be inverted.
 * ``lncc``: ``1 - mean(cc^2)`` with ``cc`` the local NCC in a box window (the ANTs / VoxelMorph convention), in [0, 1].
 * ``mi``: ``-MI``, the mutual information (nats) of a cubic B-spline Parzen joint histogram, in [-log(bins), 0].
+* ``features``: ``1 - mean cos`` between the learned WTConv features (``regkit.features.network``) of the two images,
+  in [0, 2]; for pairs of any contrasts.
 
-New measures (e.g. the learned ``features`` similarity) join the registry with ``@register_similarity("name")``;
-``build_similarity(name, **params)`` builds one from the configuration.
+New measures join the registry with ``@register_similarity("name")``; ``build_similarity(name, **params)`` builds one
+from the configuration. A measure is evaluated on an already warped image (``forward``), or through
+:meth:`Similarity.loss_at_points` from the moving image and the world points where the transformation samples it,
+which a measure may override to avoid resampling the moving image itself (``features`` in its ``warp_features`` mode).
 """
 
 from __future__ import annotations
@@ -26,13 +30,19 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, ClassVar, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
 
 from regkit.errors import ConfigError, ImageValueError
 from regkit.spatial.filters import box_sum, per_axis
+from regkit.spatial.grid import Grid
+from regkit.spatial.sampling import sample_image
+
+if TYPE_CHECKING:
+    from regkit.features.network import FeatureNetwork
 
 # Standardisation floors: the variance gets `_EPS_REL * mean square` added, so that a constant image standardises to
 # (nearly) zero instead of amplified rounding noise; `_TINY` keeps square roots and divisions finite for all-zero input.
@@ -55,6 +65,19 @@ class Similarity(nn.Module):
 
     def _loss(self, fixed: torch.Tensor, warped: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def loss_at_points(
+        self,
+        fixed: torch.Tensor,
+        moving: torch.Tensor,
+        moving_grid: Grid,
+        points: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Loss between ``fixed`` ``(1, C, *S)`` and ``moving`` ``(C, *moving_grid.shape)`` sampled (linear, zero
+        outside) at LPS world points ``points`` ``(*S, n)``, one per fixed voxel; ``mask`` as in :meth:`forward`.
+        Differentiable with respect to ``points``. This default warps the moving image and calls :meth:`forward`."""
+        return self(fixed, sample_image(moving, moving_grid, points)[None], mask)
 
 
 SIMILARITIES: dict[str, type[Similarity]] = {}
@@ -372,3 +395,86 @@ def _chunks(n: int) -> list[slice]:
 def _neg_entropy(p: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """``sum p log p`` over ``dims`` (0 log 0 = 0, with finite gradients at empty bins)."""
     return (p * torch.log(p.clamp_min(_TINY))).sum(dims)
+
+
+@register_similarity("features")
+class FeatureSimilarity(Similarity):
+    """``1 - mean cos(F(fixed), F(warped))``: one minus the mean cosine similarity of the L2-normalised features ``F``
+    of the feature network (``regkit.features.network``, full resolution), in [0, 2]; for any pair of contrasts.
+
+    Args:
+        mode: ``"warp_image"``: the features of the warped moving image, recomputed at every evaluation (exact);
+            ``"warp_features"``: the features of the moving image, computed once per pyramid level and warped by
+            :meth:`loss_at_points` (linear interpolation, re-normalised; zero outside the moving image), which is
+            much cheaper per iteration. :meth:`forward`, which receives an already warped image, is the same in both.
+        weights: a weights file (``regkit train-features``); None: the weights shipped for the images' dimension.
+
+    Each channel of the images is an image of its own. The features of the fixed image are computed once per pyramid
+    level: they are kept for the fixed tensor last seen (a registration passes the same tensor at every iteration of a
+    level) unless it requires a gradient; likewise the moving features in ``warp_features`` mode. The network is frozen
+    and not part of this module's parameters; it runs in the images' dtype and device (WTConv backend ``auto``: fused
+    kernels for CUDA float32, reference layers otherwise).
+    """
+
+    def __init__(self, mode: str = "warp_image", weights: str | Path | None = None) -> None:
+        super().__init__()
+        if mode not in ("warp_image", "warp_features"):
+            raise ConfigError(f"features mode must be 'warp_image' or 'warp_features', got {mode!r}")
+        self.mode = mode
+        self.weights = None if weights is None else Path(weights)
+        self._networks: dict[tuple[int, torch.device, torch.dtype], FeatureNetwork] = {}
+        self._cache: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def _network(self, image: torch.Tensor) -> FeatureNetwork:
+        """The network for ``image``'s dimension, device and dtype (loaded on first use)."""
+        from regkit.features.network import load_feature_network
+
+        ndim = image.dim() - 2
+        key = (ndim, image.device, image.dtype)
+        if key not in self._networks:
+            network = load_feature_network(self.weights, ndim=ndim)
+            self._networks[key] = network.to(device=image.device, dtype=image.dtype)
+        return self._networks[key]
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        """Unit features of every channel of ``images`` ``(B, C, *S)``: ``(B, C, features, *S)``."""
+        b, c = images.shape[:2]
+        maps = self._network(images)(images.reshape(b * c, 1, *images.shape[2:])).full.to(images.dtype)
+        return maps.reshape(b, c, *maps.shape[1:])
+
+    def _cached(self, role: str, key: torch.Tensor, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``compute()`` (features of the tensor ``key``), reused while the same ``key`` (unchanged) comes back for
+        ``role``; recomputed with gradients if ``key`` requires them."""
+        if key.requires_grad:
+            return compute()
+        held = self._cache.get(role)
+        if held is None or held[0] is not key or held[1] != key._version:
+            with torch.no_grad():
+                held = (key, key._version, compute())
+            self._cache[role] = held
+        return held[2]
+
+    def _compare(self, fixed: torch.Tensor, features: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        cosine = (self._cached("fixed", fixed, lambda: self.features(fixed)) * features).sum(2)
+        return 1.0 - _masked_mean(cosine, weights).mean()
+
+    def _loss(self, fixed: torch.Tensor, warped: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self._compare(fixed, self.features(warped), weights)
+
+    def loss_at_points(
+        self,
+        fixed: torch.Tensor,
+        moving: torch.Tensor,
+        moving_grid: Grid,
+        points: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As :meth:`Similarity.loss_at_points`; in ``warp_features`` mode the moving image's features (computed once)
+        are warped instead of the image."""
+        if self.mode == "warp_image":
+            return super().loss_at_points(fixed, moving, moving_grid, points, mask)
+        channels = moving.shape[0]
+        maps = self._cached("moving", moving, lambda: self.features(moving[None])[0])  # (C, F, *moving shape)
+        warped = sample_image(maps.flatten(0, 1), moving_grid, points).unflatten(0, (channels, -1))
+        warped = torch.nn.functional.normalize(warped, dim=1, eps=1e-6)[None]
+        return self._compare(fixed, warped, _weights(fixed, fixed, mask))

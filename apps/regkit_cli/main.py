@@ -412,6 +412,10 @@ from regkit_cli.batch import batch as _batch  # noqa: E402
 
 app.command("batch")(_batch)
 
+from regkit_cli.train import train_features as _train_features  # noqa: E402
+
+app.command("train-features")(_train_features)
+
 app.add_typer(bench_app, name="bench")
 
 

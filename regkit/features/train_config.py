@@ -1,0 +1,196 @@
+"""The configuration of ``regkit train-features``: a typed, strictly validated schema read from YAML.
+
+The models follow :mod:`regkit.config` (frozen, unknown keys rejected, no numbers parsed from strings, every error one
+line ``FILE:LINE: key.path: message``). Shipped configurations: ``regkit/configs/features-2d.yaml`` and
+``features-3d.yaml`` (the ones that made the shipped weights); :func:`load_training_config` takes their names
+(``features-2d``) or any YAML file. Lengths are in voxels of the synthesised crops unless a field says mm.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from regkit.config import Seq, _first_error, _invalid, _Model, _parse
+from regkit.errors import ConfigError
+
+__all__ = [
+    "FeatureTrainingConfig",
+    "LossConfig",
+    "NetworkConfig",
+    "SynthesisConfig",
+    "load_training_config",
+    "training_presets",
+]
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+class NetworkConfig(_Model):
+    """The feature network's hyper-parameters (``regkit.features.network.NetworkSpec``)."""
+
+    channels: Seq[int] = Field(
+        default=(16, 32), description="Channels of stage 0 (full) and stage 1 (half resolution)."
+    )
+    depths: Seq[int] = Field(default=(2, 2), description="WTConv blocks in stage 0 and stage 1.")
+    levels: Seq[int] = Field(default=(4, 3), description="Wavelet levels of the WTConv layers of stage 0 and stage 1.")
+    kernel_size: int = Field(default=5, ge=1, description="Odd size of the WTConv depthwise kernels.")
+    features: int = Field(default=16, ge=1, description="Channels of the L2-normalised output features.")
+    mlp_ratio: int = Field(default=2, ge=1, description="Hidden channels of each block's MLP, per channel.")
+
+    @field_validator("channels", "depths", "levels")
+    @classmethod
+    def _two_positive(cls, values: tuple[int, ...]) -> tuple[int, ...]:
+        if len(values) != 2 or any(v < 1 for v in values):
+            raise _invalid(f"needs 2 integers >= 1, one per stage (got {list(values)})")
+        return values
+
+    @field_validator("kernel_size")
+    @classmethod
+    def _odd(cls, k: int) -> int:
+        if k % 2 == 0:
+            raise _invalid(f"must be odd (got {k})")
+        return k
+
+
+class SynthesisConfig(_Model):
+    """How the two views of a training sample are synthesised from the label maps (``regkit.features.synth``)."""
+
+    source_spacing: float = Field(default=1.0, gt=0, description="Isotropic spacing (mm) of the label volume.")
+    crop: int = Field(default=96, ge=8, description="Size of each view, voxels per axis.")
+    voxel_size: Seq[float] = Field(
+        default=(1.0, 4.0),
+        description="Range (mm) of a view's voxel size, drawn log-uniformly per sample: the scales registration "
+        "pyramids see.",
+    )
+    rotation: float = Field(default=15.0, ge=0, description="Largest rotation (degrees) of a crop about each axis.")
+    cells: int = Field(default=4, ge=1, description="CPAB cells per axis of the random deformation between views.")
+    deformation: float = Field(
+        default=0.6, ge=0, description="Scale of the CPAB prior's standard deviation for the deformation."
+    )
+    affine_rotation: float = Field(default=15.0, ge=0, description="Largest rotation (degrees) between the views.")
+    affine_scaling: float = Field(default=0.15, ge=0, lt=1, description="Largest relative scale change between views.")
+    affine_translation: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="Largest translation between the views along each axis, as a fraction of the crop. Large enough "
+        "that a voxel's position in its crop says nothing about where its match lies in the other view (the mean "
+        "offset then exceeds the mean distance between anchors): otherwise the network learns to encode the position "
+        "(the crop borders reveal it) instead of the anatomy.",
+    )
+    same_contrast: float = Field(
+        default=0.3, ge=0, le=1, description="Probability that both views share their label intensities."
+    )
+    merge_parcels: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="Probability that all grey-matter parcels of a view get one intensity (as in real images) "
+        "instead of one each.",
+    )
+    texture: float = Field(default=0.05, ge=0, description="Largest within-label noise std (intensities in [0, 1]).")
+    blur: float = Field(default=1.0, ge=0, description="Largest Gaussian blur sigma (voxels).")
+    resolution: float = Field(
+        default=3.0, ge=1, description="Largest factor of a resolution loss (down- then up-sampling)."
+    )
+    resolution_probability: float = Field(
+        default=0.5, ge=0, le=1, description="Probability of a resolution loss (along one axis, or all)."
+    )
+    bias: float = Field(default=0.4, ge=0, description="Largest amplitude of the smooth log bias field.")
+    gamma: float = Field(default=0.3, ge=0, description="Std of the log of the gamma exponent.")
+    noise: float = Field(default=0.05, ge=0, description="Largest additive noise std (intensities in [0, 1]).")
+
+    @field_validator("voxel_size")
+    @classmethod
+    def _range(cls, values: tuple[float, ...]) -> tuple[float, ...]:
+        if len(values) != 2 or not 0 < values[0] <= values[1]:
+            raise _invalid(f"needs (low, high) with 0 < low <= high (got {list(values)})")
+        return values
+
+
+class LossConfig(_Model):
+    """The InfoNCE loss over corresponding voxels of the two views."""
+
+    points: int = Field(default=512, ge=2, description="Corresponding voxel pairs sampled per sample.")
+    temperature: float = Field(default=0.07, gt=0, description="Softmax temperature of the cosine similarities.")
+    exclusion: float = Field(
+        default=2.0,
+        ge=0,
+        description="Points closer than this (voxels) to a positive are not used as its negatives.",
+    )
+    half_weight: float = Field(default=0.5, ge=0, description="Weight of the half-resolution features' loss.")
+
+
+class FeatureTrainingConfig(_Model):
+    """A self-supervised training run of the feature network (``regkit train-features``)."""
+
+    dim: Literal[2, 3] = Field(description="Spatial dimensions of the network and of the synthesised views.")
+    seed: int = Field(default=0, ge=0, description="Seed: the same seed and configuration give the same run.")
+    device: str = Field(default="auto", description="auto (CUDA if available), cpu, cuda or cuda:N.")
+    steps: int = Field(ge=1, description="Optimizer steps.")
+    batch_size: int = Field(default=8, ge=1, description="Samples (pairs of views) per step.")
+    learning_rate: float = Field(default=2e-3, gt=0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(default=0.01, ge=0, description="AdamW weight decay.")
+    warmup: int = Field(
+        default=50, ge=0, description="Steps of linear warm-up, then cosine decay to a tenth of the peak."
+    )
+    checkpoint_every: int = Field(default=100, ge=1, description="Steps between checkpoints (and at the end).")
+    mixed_precision: bool = Field(default=True, description="bfloat16 autocast on CUDA (ignored on the CPU).")
+    network: NetworkConfig = Field(default=NetworkConfig(), description="The network.")
+    synthesis: SynthesisConfig = Field(default=SynthesisConfig(), description="The synthesis of the training views.")
+    loss: LossConfig = Field(default=LossConfig(), description="The loss.")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, device: str) -> str:
+        if not _DEVICE.fullmatch(device):
+            raise _invalid(f"must be 'auto', 'cpu', 'cuda' or 'cuda:N' (got {device!r})")
+        return device
+
+    @model_validator(mode="after")
+    def _crop_fits_levels(self) -> FeatureTrainingConfig:
+        smallest = self.synthesis.crop // 2 ** max(self.network.levels[0], self.network.levels[1] + 1)
+        if smallest < 1:
+            raise _invalid(
+                f"crop {self.synthesis.crop} is too small for {list(self.network.levels)} wavelet levels",
+                ("synthesis", "crop"),
+            )
+        return self
+
+
+def _presets_dir() -> Path:
+    return Path(str(resources.files("regkit") / "configs"))
+
+
+def training_presets() -> list[str]:
+    """Names of the training configurations shipped with regkit (``regkit/configs/features-*.yaml``), sorted."""
+    return sorted(p.stem for p in _presets_dir().glob("features-*.yaml"))
+
+
+def load_training_config(source: str | Path) -> FeatureTrainingConfig:
+    """Load and validate a training configuration: a YAML file, or the name of a shipped one (``features-2d``).
+
+    Raises :class:`~regkit.errors.ConfigError` with one line ``FILE:LINE: key.path: message`` on any problem.
+    """
+    if isinstance(source, str) and source in training_presets():
+        path, label = _presets_dir() / f"{source}.yaml", f"regkit/configs/{source}.yaml"
+    else:
+        path = Path(source).expanduser()
+        label = str(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        shipped = ", ".join(training_presets())
+        raise ConfigError(f"{label}: no such file (shipped training configurations: {shipped})") from None
+    except (UnicodeDecodeError, OSError) as err:
+        raise ConfigError(f"{label}: cannot read ({type(err).__name__})") from None
+    layer = _parse(text, label)
+    try:
+        return FeatureTrainingConfig.model_validate(layer.data)
+    except ValidationError as err:
+        raise ConfigError(_first_error(err, layer)) from None
