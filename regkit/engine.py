@@ -230,13 +230,13 @@ class _Context:
 
 
 def _loss_on_level(level: _Level, similarity: Similarity, moving_points: torch.Tensor) -> torch.Tensor:
-    """Similarity between the fixed image and the moving image sampled at ``moving_points`` (world, fixed grid)."""
-    warped = sample_image(level.moving, level.moving_grid, moving_points)[None]
+    """Similarity between the fixed image and the moving image sampled at ``moving_points`` (world, fixed grid);
+    the similarity does the sampling (``Similarity.loss_at_points``: the features similarity may warp features)."""
     mask = level.fixed_mask
     if level.moving_mask is not None:
         moved_mask = sample_image(level.moving_mask, level.moving_grid, moving_points.detach())[None]
         mask = moved_mask if mask is None else mask * moved_mask
-    return similarity(level.fixed, warped, mask)
+    return similarity.loss_at_points(level.fixed, level.moving, level.moving_grid, moving_points, mask)
 
 
 def _optimize(

@@ -90,14 +90,22 @@ def test_modes_agree_at_the_identity_and_give_gradients():
     assert float(fast_sim.loss_at_points(fixed, moving, grid, shifted)) != pytest.approx(float(fast))
 
 
-def test_a_registration_with_features_runs():
+@pytest.mark.parametrize("mode", ["warp_image", "warp_features"])
+def test_a_registration_with_features_runs(mode, monkeypatch):
+    """A registration runs in either mode, and in ``warp_features`` mode the engine lets the similarity warp the
+    moving features (extracted once for the level, not once per iteration)."""
+    extracted = []
+    original = FeatureSimilarity.features
+    monkeypatch.setattr(
+        FeatureSimilarity, "features", lambda self, images: extracted.append(1) or original(self, images)
+    )
     cfg = load_config(
         "quick-2d",
         {
             "stages": [
                 {
                     "type": "cpab",
-                    "similarity": {"name": "features", "mode": "warp_image"},
+                    "similarity": {"name": "features", "mode": mode},
                     "pyramid": [{"shrink": 1, "smoothing": 0.0}],
                     "optimizer": {"iterations": 4},
                     "tessellation": [4],
@@ -110,6 +118,10 @@ def test_a_registration_with_features_runs():
     result = register(Image(_blobs()[0, 0], grid), Image(_blobs(shift=2.0)[0, 0], grid), cfg)
     levels = result.stages[0].levels
     assert levels[0]["iterations"] == 4 and 0.0 <= levels[0]["similarity"] < 2.0
+    if mode == "warp_features":  # the fixed and the moving features, once each
+        assert len(extracted) == 2
+    else:  # the fixed features once, the warped moving image's at every evaluation
+        assert len(extracted) > 4
 
 
 def _itk_pair() -> tuple[torch.Tensor, torch.Tensor, Grid]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from regkit_cli.bench.batch import batch
 from regkit_cli.bench.accuracy import accuracy
+from regkit_cli.bench.batch import batch
 from regkit_cli.bench.cpab import cpab
 from regkit_cli.bench.features import features
 from regkit_cli.bench.registration import registration
