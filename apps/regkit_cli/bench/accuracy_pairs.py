@@ -70,7 +70,7 @@ _NILEARN_FILES = {
 }
 _LPS_FROM_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 # The ITK rotated/shifted slice: measured by a mean-squares rigid registration (10.000 deg, (13.000, 16.001) mm).
-_ITK_RIGID = {"angle_deg": 10.0, "centre": (110.5, 128.5), "shift": (13.0, 16.0)}
+_ITK_RIGID_MATRIX_ARGS = (10.0, (110.5, 128.5), (13.0, 16.0))  # angle (deg), centre (mm), shift (mm)
 _ITK_SHIFT = (13.0, 17.0)
 _SANITY_SHIFT = (8.0, -4.0, 12.0)  # whole voxels of the 4 mm grid: nearest-neighbour labels move exactly
 _SANITY_SHIFT_2D = (6.0, -8.0)  # whole voxels of the 2 mm slice
@@ -307,7 +307,7 @@ def _itk_pairs(itk_data: Path) -> list[BenchPair]:
         "ITK proton-density slice against its copy rotated by 10 degrees and shifted by (13, 16) mm",
         pd,
         load("BrainProtonDensitySliceR10X13Y17.png"),
-        _rigid_2d(_ITK_RIGID["angle_deg"], _ITK_RIGID["centre"], _ITK_RIGID["shift"]),
+        _rigid_2d(*_ITK_RIGID_MATRIX_ARGS),
     )
     multimodal = _known_affine_pair(
         "itk2d-t1-pd",
