@@ -21,6 +21,8 @@ def test_bench_cpab_quick_prints_and_writes_tables(tmp_path: Path) -> None:
     assert "| tessellation | d | method | forward ms | gradient ms | total ms | peak MiB | first s |" in markdown
     assert markdown.count("| 2x2 | 10 |") == 3
     assert "time grows with N and T" in markdown
+    assert "gradient against forward sensitivity: 2D 4x4, batch 2" in markdown
+    assert markdown.count("forward sensitivity |") == 2 + 1 + 1  # the 2D and 3D tables' rows and the comparison's
 
 
 def test_bench_help_does_not_import_torch() -> None:

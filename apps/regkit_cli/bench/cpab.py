@@ -11,6 +11,10 @@ scheme (``regkit.cpab.integrate``; ``zero`` boundary, float32, checkpoints every
 * forward sensitivity: ``forward_sensitivity_gradient``, ``d`` sensitivities per point (``O(d T N)`` time,
   ``O(d N)`` memory), the gradient of earlier CPAB libraries.
 
+Tables: 2D and 3D over tessellation sizes, every method; on CUDA the 6.9M-point registration grid (fused and
+factorized); a head-to-head of the gradients against forward sensitivity (2D 30x30, batch 2 on CUDA: time and memory
+ratios); the N and T sweep.
+
 Timing: the best of a few runs, synchronised on CUDA. "gradient" is the backward pass for the adjoint methods and the
 whole sensitivity integration for forward sensitivity (its forward column is the plain no-grad forward). Peak memory,
 above what the inputs already hold: on CUDA ``torch.cuda.max_memory_allocated``; on the CPU the process's peak resident
@@ -86,6 +90,7 @@ class Plan:
     isolate: bool  # one subprocess per measurement (CPU peak memory)
     budget_s: float  # timing runs per measurement stop after this long (at least one, at most _MAX_RUNS)
     registration: tuple[int, ...] = ()  # cells per axis of the registration-grid cases (CUDA)
+    versus: tuple[int, int, int] | None = None  # (cells per axis, batch, points): 2D, each method against sensitivity
 
 
 _MAX_RUNS = 5
@@ -115,6 +120,7 @@ def _plan(device: str, quick: bool) -> Plan:
             memory_cap_bytes=2**30,
             isolate=False,
             budget_s=0.0,
+            versus=(4, 2, 500),
         )
     if device == "cuda":
         import torch
@@ -131,6 +137,7 @@ def _plan(device: str, quick: bool) -> Plan:
             isolate=False,
             budget_s=2.0,
             registration=(8, 16),
+            versus=(30, 2, 125_000),
         )
     return Plan(
         title="CPU: fewer points and a smaller batch than the issue's 125,000 points x 16 (2D) / x 8 (3D)",
@@ -389,6 +396,26 @@ def cpab(
         table, md = render(
             f"registration grid {grid} ({prod(REGISTRATION_GRID):,} points), one transformation", header, rows
         )
+        console.print(table)
+        markdown += [md]
+
+    if plan.versus is not None:
+        cells, batch, points = plan.versus
+        results = {}
+        for method in (*methods[:2], "sensitivity"):
+            case = Case(2, cells, batch, points, plan.steps, method, device.value)
+            results[method] = {"skipped": "skipped (cap)"} if caps.skip(case) else _run_case(case, plan)
+        base = results["sensitivity"]
+        rows = []
+        for method, result in results.items():
+            ratio = ["", ""]
+            if "skipped" not in result and "skipped" not in base and method != "sensitivity":
+                ratio = [f"{base['gradient_s'] / result['gradient_s']:,.0f}x"]
+                peak, base_peak = result["peak_bytes"], base["peak_bytes"]
+                ratio.append(f"{base_peak / peak:,.0f}x" if peak and base_peak else "")
+            rows.append([METHOD_TITLES[method], *_cells(result), *ratio])
+        title = f"gradient against forward sensitivity: 2D {cells}x{cells}, batch {batch}, {points:,} points"
+        table, md = render(title, ["method", *header[3:], "sensitivity / this, time", "memory"], rows)
         console.print(table)
         markdown += [md]
 
