@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import ClassVar
+from types import EllipsisType
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ from regkit._backend import load_kernels, resolve_backend
 
 # One table picks the 2D or 3D operators (as MONAI's ``Conv[Conv.CONV, dim]``).
 _CONV_FN = {2: F.conv2d, 3: F.conv3d}
-_CONV_MODULE: dict[int, type[nn.Module]] = {2: nn.Conv2d, 3: nn.Conv3d}
+_CONV_MODULE: dict[int, type[nn.Conv2d] | type[nn.Conv3d]] = {2: nn.Conv2d, 3: nn.Conv3d}
 
 _BASE_SCALE_INIT = 1.0
 _WAVELET_SCALE_INIT = 0.1
@@ -103,7 +104,9 @@ def wtconv_reference(
     for z, size in reversed(processed):
         if reconstruction is not None:
             z = torch.cat((z[:, :, :1] + reconstruction.unsqueeze(2), z[:, :, 1:]), dim=2)
-        reconstruction = haar_synthesis(z)[(..., *(slice(0, s) for s in size))]
+        crop: tuple[EllipsisType | slice, ...] = (..., *(slice(0, s) for s in size))
+        reconstruction = haar_synthesis(z)[crop]
+    assert reconstruction is not None  # levels >= 1
     return base_scale * conv(x, base_weight, base_bias, padding=pad, groups=channels) + reconstruction
 
 
@@ -145,6 +148,8 @@ class _WTConvNd(nn.Module):
     """Shared body of :class:`WTConv2d` and :class:`WTConv3d`."""
 
     ndim: ClassVar[int]
+    base_conv: nn.Conv2d | nn.Conv3d
+    base_scale: _Scale
 
     def __init__(
         self, channels: int, kernel_size: int = 5, levels: int = 1, bias: bool = True, backend: str = "auto"
@@ -171,8 +176,8 @@ class _WTConvNd(nn.Module):
             self.base_conv.weight,
             self.base_conv.bias,
             self.base_scale.weight,
-            [c.weight for c in self.wavelet_convs],
-            [s.weight for s in self.wavelet_scale],
+            [cast(Tensor, c.weight) for c in self.wavelet_convs],  # ModuleList items are typed as plain Modules
+            [cast(Tensor, s.weight) for s in self.wavelet_scale],
             backend=self.backend,
         )
 

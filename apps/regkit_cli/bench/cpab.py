@@ -401,7 +401,7 @@ def cpab(
 
     if plan.versus is not None:
         cells, batch, points = plan.versus
-        results = {}
+        results: dict[str, dict[str, Any]] = {}
         for method in (*methods[:2], "sensitivity"):
             case = Case(2, cells, batch, points, plan.steps, method, device.value)
             results[method] = {"skipped": "skipped (cap)"} if caps.skip(case) else _run_case(case, plan)

@@ -186,7 +186,7 @@ def _traced_bytes(case: Case, version: str) -> int:
     total = 0
 
     class _Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             nonlocal total
             out = func(*args, **(kwargs or {}))
             if not func.is_view and func.overloadpacket not in _NO_TRAFFIC:
@@ -304,12 +304,12 @@ def _summary(results: dict[tuple[Case, str], dict[str, Any]], cases: tuple[Case,
 
     lines = []
     stages = [c for c in cases if c.ndim == 2]
-    fused = [step(c, "fused fp32") for c in stages]
-    if stages and all(fused):
+    fused = [t for c in stages if (t := step(c, "fused fp32"))]
+    if stages and len(fused) == len(stages):
         lines.append(f"2D fused fp32 fwd+bwd: geometric mean {geomean(fused):.3g} ms over {len(stages)} shapes.")
         for version in ("reference", "reference (cudnn.benchmark)", "fused bf16", "depthwise conv"):
-            other = [step(c, version) for c in stages]
-            if all(other):
+            other = [t for c in stages if (t := step(c, version))]
+            if len(other) == len(stages):
                 ratios = [o / f for o, f in zip(other, fused, strict=True)]
                 listed = ", ".join(f"{r:.2f}" for r in ratios)
                 lines.append(f"fwd+bwd time, {version} / fused fp32: {listed} (geomean {geomean(ratios):.2f}).")
@@ -348,7 +348,7 @@ def wtconv(
     fused_ok = device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     if device == "cuda":
         name = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-        copy_bw: float | None = _copy_bandwidth()
+        copy_bw = _copy_bandwidth()
         name += f"; device-to-device copy {copy_bw / 1e9:,.0f} GB/s (read + write)"
     else:
         name, copy_bw = f"CPU, torch {torch.__version__} (timings meaningless)", None

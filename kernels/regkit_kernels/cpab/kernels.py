@@ -196,9 +196,9 @@ def _cpab_bwd_kernel(
         # short last segment are computed and not used.
         xs0, xs1, xs2, cells = (), (), (), ()
         for _ in tl.static_range(K):
-            xs0, xs1, xs2 = xs0 + (x0,), xs1 + (x1,), xs2 + (x2,)  # noqa: RUF005
+            xs0, xs1, xs2 = xs0 + (x0,), xs1 + (x1,), xs2 + (x2,)  # type: ignore[assignment]  # noqa: RUF005
             x0, x1, x2, cell = _step(e_batch, x0, x1, x2, ok, geom_ptr, NX, NY, NDIM)
-            cells = cells + (cell,)  # noqa: RUF005
+            cells = cells + (cell,)  # type: ignore[assignment]  # noqa: RUF005
         for k in tl.static_range(K - 1, -1, -1):
             if k < length:
                 x0, x1, x2, cell = xs0[k], xs1[k], xs2[k], cells[k]

@@ -245,7 +245,7 @@ class WTConvFunction(torch.autograd.Function):
     into the kernels inside, and the gradients of weights and scales recovered from the folded weights' gradients."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, base_weight: Tensor, base_bias: Tensor | None, base_scale: Tensor, *levels: Tensor):  # type: ignore[override]
+    def forward(ctx, x: Tensor, base_weight: Tensor, base_bias: Tensor | None, base_scale: Tensor, *levels: Tensor):
         ndim, num = x.dim() - 2, len(levels) // 2
         base, bias, folded, weights, scales = _fold(
             base_weight, base_bias, base_scale, levels[:num], levels[num:], ndim
@@ -257,7 +257,7 @@ class WTConvFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+    def backward(ctx, grad_out: Tensor):
         x, base_weight, base_bias, base_scale, base, folded, weights, scales, *lows = ctx.saved_tensors
         ndim, channels, num = x.dim() - 2, x.shape[1], len(ctx.level_params) // 2
         grad_x, g_base, g_bias, g_levels = wtconv_bwd(grad_out.contiguous(), x, base, folded, lows)
