@@ -638,6 +638,10 @@ def _resolve_paths(value: Any, folder: Path) -> Any:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+DEFAULT_PRESETS = {2: "histology-2d", 3: "brain-mri-3d"}
+"""The preset front ends use when the user names none, by image dimension (CLI ``register``, the napari widget)."""
+
+
 def _presets_dir() -> Path:
     return Path(str(resources.files("regkit") / "configs"))
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from regkit.config import CpabStage, MomentsStage, RegistrationConfig, load_config
+from regkit.config import DEFAULT_PRESETS, CpabStage, MomentsStage, RegistrationConfig, load_config
 from regkit.cpab.module import CPAB
 from regkit.errors import ConfigError, RegkitError
 from regkit.io import Image
@@ -227,9 +227,6 @@ def _rescaled(image: np.ndarray) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The registration widget: settings, progress and the layers of a result
-
-DEFAULT_PRESETS = {2: "histology-2d", 3: "brain-mri-3d"}
-"""The preset used when none is chosen, by image dimension (the CLI's defaults)."""
 
 
 @dataclass(frozen=True)

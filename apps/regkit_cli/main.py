@@ -96,9 +96,6 @@ class ExportFormat(str, Enum):
     learn2reg = "learn2reg"
 
 
-_DEFAULT_CONFIG = {2: "histology-2d", 3: "brain-mri-3d"}
-
-
 class _RichProgress:
     """Per-iteration progress of a registration on stderr: one bar per stage and pyramid level."""
 
@@ -219,7 +216,7 @@ def register(
 
     import torch
 
-    from regkit.config import load_config
+    from regkit.config import DEFAULT_PRESETS, load_config
     from regkit.engine import register as run_registration
     from regkit.errors import RegkitError
     from regkit.outputs import (
@@ -241,7 +238,7 @@ def register(
     )
     fixed_image, moving_image = inputs.fixed, inputs.moving
     overrides = {key: value for key, value in (("device", device), ("seed", seed)) if value is not None}
-    cfg = load_config(config or _DEFAULT_CONFIG[fixed_image.ndim], overrides=overrides)
+    cfg = load_config(config or DEFAULT_PRESETS[fixed_image.ndim], overrides=overrides)
     if field_of_view_overlap(fixed_image.grid, moving_image.grid) == 0:
         typer.echo(
             f"warning: {fixed} and {moving} do not overlap in world space (LPS mm); the registration relies on its "

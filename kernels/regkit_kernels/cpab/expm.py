@@ -108,6 +108,8 @@ def _launch(kernel, R: int, *args, dtype: torch.dtype, ndim: int) -> None:
 def padded_rows(M: Tensor) -> Tensor:
     """``(..., n, n + 1)`` matrices as contiguous rows of 4 (the kernels' table layout: one 16-byte vector per row in
     float32); ``(..., n, 4)`` ones as they are."""
+    if M.shape[-1] == 4:
+        return M.contiguous()  # no copy when it already is (the fused path's own step matrices and moments)
     return torch.nn.functional.pad(M, (0, 4 - M.shape[-1])).contiguous()
 
 
