@@ -17,10 +17,15 @@ from regkit.cpab.integrate import integrate, integrate_reference, integrate_traj
 from regkit.cpab.tessellation import Tessellation
 from regkit_kernels.cpab import cpab_fwd
 
-# (shape, lower, upper): unit boxes and odd, anisotropic boxes.
+# (shape, lower, upper): unit boxes, odd anisotropic boxes (the kernels divide by the extents) and shifted boxes with
+# power-of-two extents (the kernels multiply by their inverses).
 _TESSELLATIONS = {
-    2: [((2, 2), None, None), ((3, 2), (-1.0, 0.5), (2.0, 1.25))],
-    3: [((2, 2, 2), None, None), ((1, 2, 3), (-2.0, 0.0, 1.0), (1.0, 0.75, 4.0))],
+    2: [((2, 2), None, None), ((3, 2), (-1.0, 0.5), (2.0, 1.25)), ((3, 2), (-1.0, 0.25), (1.0, 0.5))],
+    3: [
+        ((2, 2, 2), None, None),
+        ((1, 2, 3), (-2.0, 0.0, 1.0), (1.0, 0.75, 4.0)),
+        ((2, 2, 3), (-2.0, 0.125, 0.5), (2.0, 0.375, 1.5)),
+    ],
 }
 # Largest |triton - torch| of a gradient, relative to the largest |torch|. float32: the fused adjoint of the matrix
 # exponential (float64 inside) and matrix_exp's float32 autograd differ by up to ~5e-6 per matrix at the large
@@ -85,7 +90,7 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, name: str, tol: float |
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("ndim,which", [(2, 0), (2, 1), (3, 0), (3, 1)])
+@pytest.mark.parametrize("ndim,which", [(2, 0), (2, 1), (2, 2), (3, 0), (3, 1), (3, 2)])
 def test_forward_equals_reference(ndim, which, dtype):
     """End points and every checkpoint are bit-equal to the reference scheme, so every step used the same cell."""
     basis, theta, points = _case(ndim, which, "free", dtype)
@@ -138,12 +143,31 @@ def test_shared_points_and_partial_gradients(ndim):
     _assert_close(only_theta, want[2], "dL/dtheta alone")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("ndim,shape,batch", [(2, (16, 16), 4), (2, (5, 7), 2), (3, (8, 8, 8), 2), (3, (3, 4, 5), 2)])
+@pytest.mark.parametrize("ndim,which", [(2, 1), (2, 2), (3, 2)])
+@pytest.mark.parametrize("every", [8, 10, 25])
 @pytest.mark.usefixtures("same_step_matrices")
-def test_realistic_sizes_gpu(ndim, shape, batch):
+def test_long_checkpoint_spacing(ndim, which, every):
+    """Stored segments longer than the backward kernel's unrolled sub-segments (10 steps: checkpoints every 8 steps,
+    one stored segment of 10, none stored): the register checkpoints give the same gradients."""
+    basis, theta, points = _case(ndim, which, "zero", torch.float64, n_random=100)
+    grad = torch.randn(points.shape, dtype=torch.float64)
+    want = _gradients(points, theta, basis, grad, "torch", 10, 4)
+    got = _gradients(points, theta, basis, grad, "triton", 10, every)
+    assert torch.equal(got[0], want[0])
+    _assert_close(got[1], want[1], "dL/dpoints")
+    _assert_close(got[2], want[2], "dL/dtheta")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "ndim,shape,batch,every",
+    [(2, (16, 16), 4, 5), (2, (5, 7), 2, 50), (3, (8, 8, 8), 2, 5), (3, (8, 8, 8), 2, 50), (3, (3, 4, 5), 2, 8)],
+)
+@pytest.mark.usefixtures("same_step_matrices")
+def test_realistic_sizes_gpu(ndim, shape, batch, every):
     """Realistic sizes on the GPU: end points equal the reference, gradients equal the torch path's (float32), and two
-    runs give gradients equal up to the reordering of float atomics; every output element is written."""
+    runs give gradients equal up to the reordering of float atomics; every output element is written. Checkpoints
+    every 5 steps, every 8 and none (every 50 of 50 steps)."""
     torch.manual_seed(sum(shape))
     tess = Tessellation(shape, (-1.0,) * ndim, (2.0,) * ndim)
     basis = cpa_basis(tess, "zero")
@@ -151,8 +175,8 @@ def test_realistic_sizes_gpu(ndim, shape, batch):
     points = _points(tess, 50_000, batch, torch.float32, "cuda")
     grad = torch.randn(points.shape, device="cuda")
     want = _gradients(points, theta, basis, grad, "torch", 50, 5)
-    got = _gradients(points, theta, basis, grad, "triton", 50, 5)
-    again = _gradients(points, theta, basis, grad, "triton", 50, 5)
+    got = _gradients(points, theta, basis, grad, "triton", 50, every)
+    again = _gradients(points, theta, basis, grad, "triton", 50, every)
     assert torch.equal(got[0], want[0])
     assert all(torch.isfinite(g).all() for g in got)
     # theta's gradient sums 50 steps x 50k points per cell in float32, in another order (atomics): measured on the
@@ -228,30 +252,46 @@ def test_fused_path_with_own_steps(ndim):
 
 
 _COMPILE_SCRIPT = """
+import time
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from regkit_kernels.cpab.expm import _step_matrices_kernel, _step_matrices_vjp_kernel
 from regkit_kernels.cpab.kernels import _cpab_bwd_kernel, _cpab_fwd_kernel
 
-for kernel, consts in [(_cpab_fwd_kernel, {}), (_cpab_bwd_kernel, {"K": 5, "MOMENTS": True})]:
+point_kernels = [
+    (_cpab_fwd_kernel, {"DIVIDE": True}),
+    (_cpab_fwd_kernel, {"DIVIDE": False}),
+    (_cpab_bwd_kernel, {"SEG": 5, "SLOTS": 1, "MOMENTS": True, "POINTS": True, "DIVIDE": True}),
+    (_cpab_bwd_kernel, {"SEG": 5, "SLOTS": 10, "MOMENTS": True, "POINTS": False, "DIVIDE": False}),
+]
+for kernel, consts in point_kernels + [(_step_matrices_kernel, {"DEG": 12}), (_step_matrices_vjp_kernel, {"DEG": 12})]:
     for ndim in (2, 3):
+        start = time.perf_counter()
         constexprs = {"NDIM": ndim, "BLOCK": 128, **consts}
         signature = {
-            name: "constexpr" if name in constexprs else "*fp32" if name.endswith("_ptr") else "i32"
+            name: "constexpr" if name in constexprs else "*fp32" if name.endswith("_ptr") else
+            "fp32" if name.startswith("h_") else "i32"
             for name in kernel.arg_names
         }
         source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+        contract = kernel not in (_step_matrices_kernel, _step_matrices_vjp_kernel)
+        options = {"enable_fp_fusion": False} if contract else {}
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         ptx = compiled.asm["ptx"]
-        assert "cubin" in compiled.asm and "fma." not in ptx and "div.rn.f32" in ptx, (kernel.__name__, ndim)
+        assert "cubin" in compiled.asm, (kernel.__name__, ndim)
+        if contract:
+            assert "fma." not in ptx and ("div.rn.f32" in ptx) == consts["DIVIDE"], (kernel.__name__, ndim)
+        print(kernel.__name__, ndim, consts, f"{time.perf_counter() - start:.1f} s", compiled.metadata.num_warps)
 print("compiled")
 """
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_without_contraction():
-    """Without a GPU: the kernels compile for sm_90 (through ptxas) with no fused multiply-adds and IEEE division, the
-    arithmetic the bit-equality with PyTorch rests on (a subprocess, since the interpreter is on in this one)."""
+    """Without a GPU: the kernels compile for sm_90 (through ptxas); the point kernels with no fused multiply-adds and
+    with IEEE division where the box's extents are not powers of two (else a multiplication by their exact inverses),
+    the arithmetic the bit-equality with PyTorch rests on (a subprocess, since the interpreter is on in this one)."""
     import os
     import subprocess
     import sys

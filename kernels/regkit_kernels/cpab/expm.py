@@ -1,4 +1,4 @@
-"""The per-cell step matrices of the expm-step scheme and their adjoint, one Triton program per block of cells.
+"""The per-cell step matrices of the expm-step scheme and their adjoint, one matrix per GPU thread.
 
 ``step_matrices(A, h)`` is ``E = `` the top ``n`` rows of ``expm(h [A; 0])`` for ``A (..., n, n + 1)``, ``n`` in
 (2, 3): the same matrices as ``regkit.cpab.integrate.step_matrices`` (``torch.linalg.matrix_exp``) up to rounding.
@@ -6,24 +6,109 @@
 exponential is the top-right block of ``expm([[X^T, G'], [0, X^T]])`` (``G'`` = ``G`` with a zero row), times ``h``.
 Both replace PyTorch's general ``matrix_exp`` (several launches, host synchronisations and, for the adjoint, doubled
 matrices through autograd) by one launch each: scaling by a power of two until the infinity norm is at most 1, a
-Taylor polynomial (Horner, degree 18: truncation below 1e-17), then squaring, all in float64 whatever the input's
-dtype (the matrices are few and tiny; float32 results are then correctly rounded up to a few ulps, more accurate than
-``matrix_exp`` in float32). Matrices are held padded to ``4 x 4`` in registers (padding with zero rows and columns
-leaves the exponential's leading block unchanged); the adjoint works on the blocks of its block-triangular matrix.
+Taylor polynomial (Horner), then squaring, all in float64 whatever the input's dtype. The degree follows the output
+dtype: 18 for float64 (truncation below 1e-17), 12 for float32 (below 1e-9, far under float32's rounding), so float32
+results are correctly rounded up to a few ulps, more accurate than ``matrix_exp`` in float32.
+
+Each thread holds its matrices as tuples of ``[BLOCK]`` scalars (row-major ``Q x Q``, ``Q = n + 1``) and multiplies
+them with unrolled scalar arithmetic: no cross-thread reductions. The step matrices keep ``[A; 0]``'s structure (the
+last row of every power is ``(0, .., 0, 1)``, so only the top ``n`` rows are computed); the adjoint works on the blocks
+of its block-triangular matrix.
 """
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-_BLOCK = 16  # matrices per program
+_BLOCK = 128  # matrices per program: one per thread with 4 warps
+_DEGREE = {torch.float32: 12, torch.float64: 18}
 
 
 @triton.jit
-def _matmul(a, b):
-    """Batched product of ``[R, Q, Q]`` matrices, one block of registers (the matrices are tiny)."""
-    return tl.sum(a[:, :, :, None] * b[:, None, :, :], axis=2)
+def _float64(hi, lo):
+    """``hi + lo`` in float64 (Triton passes Python floats as float32: :func:`_split` cuts ``h`` in two)."""
+    return tl.cast(hi, tl.float64) + tl.cast(lo, tl.float64)
+
+
+@triton.jit
+def _mm(a, b, Q: tl.constexpr):
+    """``a @ b`` for row-major ``Q x Q`` matrices held as tuples of ``Q * Q`` tensors."""
+    out = ()
+    for i in tl.static_range(Q):
+        for j in tl.static_range(Q):
+            s = a[i * Q] * b[j]
+            for k in tl.static_range(1, Q):
+                s = s + a[i * Q + k] * b[k * Q + j]
+            out = out + (s,)  # noqa: RUF005
+    return out
+
+
+@triton.jit
+def _mm_top(a, b, NDIM: tl.constexpr):
+    """Top ``NDIM`` rows of ``a @ b`` for ``(NDIM + 1)``-square matrices whose last row is ``(0, .., 0, 1)``, held as
+    their top rows (tuples of ``NDIM (NDIM + 1)`` tensors, row-major)."""
+    Q: tl.constexpr = NDIM + 1
+    out = ()
+    for i in tl.static_range(NDIM):
+        for j in tl.static_range(Q):
+            s = a[i * Q] * b[j]
+            for k in tl.static_range(1, NDIM):
+                s = s + a[i * Q + k] * b[k * Q + j]
+            if j == NDIM:
+                s = s + a[i * Q + NDIM]
+            out = out + (s,)  # noqa: RUF005
+    return out
+
+
+@triton.jit
+def _scale(a, f):
+    out = ()
+    for i in tl.static_range(len(a)):
+        out = out + (a[i] * f,)  # noqa: RUF005
+    return out
+
+
+@triton.jit
+def _add(a, b):
+    out = ()
+    for i in tl.static_range(len(a)):
+        out = out + (a[i] + b[i],)  # noqa: RUF005
+    return out
+
+
+@triton.jit
+def _plus_identity(a, ROWS: tl.constexpr, Q: tl.constexpr):
+    """``a + I`` for the top ``ROWS`` rows of a ``Q``-square matrix."""
+    out = ()
+    for i in tl.static_range(ROWS):
+        for j in tl.static_range(Q):
+            if i == j:
+                out = out + (a[i * Q + j] + 1.0,)  # noqa: RUF005
+            else:
+                out = out + (a[i * Q + j],)  # noqa: RUF005
+    return out
+
+
+@triton.jit
+def _select(cond, a, b):
+    out = ()
+    for i in tl.static_range(len(a)):
+        out = out + (tl.where(cond, a[i], b[i]),)  # noqa: RUF005
+    return out
+
+
+@triton.jit
+def _row_sums(a, ROWS: tl.constexpr, Q: tl.constexpr):
+    """Largest row sum of ``|a|`` (the infinity norm of the top ``ROWS`` rows)."""
+    norm = tl.abs(a[0]) * 0.0
+    for i in tl.static_range(ROWS):
+        s = tl.abs(a[i * Q])
+        for j in tl.static_range(1, Q):
+            s = s + tl.abs(a[i * Q + j])
+        norm = tl.maximum(norm, s)
+    return norm
 
 
 @triton.jit
@@ -34,75 +119,95 @@ def _scaling(norm):
 
 
 @triton.jit
-def _expm(m, eye, DEG: tl.constexpr):
-    """``expm`` of each ``[4, 4]`` matrix of ``m [R, 4, 4]`` (float64) by scaling and squaring a degree-``DEG`` Taylor
-    polynomial (Horner). ``eye`` is the ``[1, 4, 4]`` identity."""
-    s = _scaling(tl.max(tl.sum(tl.abs(m), axis=2), axis=1))
-    m = m * tl.exp2(-s)[:, None, None]
-    t = eye + m * 0.0
-    for k in tl.static_range(DEG, 0, -1):
-        t = eye + _matmul(m, t) * (1.0 / k)
-    for i in range(tl.max(s, axis=0).to(tl.int32)):
-        t = tl.where((i < s)[:, None, None], _matmul(t, t), t)
-    return t
-
-
-@triton.jit
-def _expm_frechet(y, g, eye, DEG: tl.constexpr):
-    """The top-right block ``L`` of ``expm([[y, g], [0, y]])`` for ``[R, 4, 4]`` blocks (float64), worked on the blocks:
-    the block matrix stays block upper triangular through Horner's steps and the squarings,
-    ``[[A, B], [0, A]] [[C, D], [0, C]] = [[AC, AD + BC], [0, AC]]``."""
-    s = _scaling(tl.max(tl.sum(tl.abs(y), axis=2) + tl.sum(tl.abs(g), axis=2), axis=1))
-    scale = tl.exp2(-s)[:, None, None]
-    y, g = y * scale, g * scale
-    t, u = eye + y * 0.0, y * 0.0
-    for k in tl.static_range(DEG, 0, -1):
-        t, u = eye + _matmul(y, t) * (1.0 / k), (_matmul(y, u) + _matmul(g, t)) * (1.0 / k)
-    for i in range(tl.max(s, axis=0).to(tl.int32)):
-        square = (i < s)[:, None, None]
-        t, u = tl.where(square, _matmul(t, t), t), tl.where(square, _matmul(t, u) + _matmul(u, t), u)
-    return u
-
-
-@triton.jit
-def _step_matrices_kernel(a_ptr, e_ptr, h, R, NDIM: tl.constexpr, DEG: tl.constexpr, BLOCK: tl.constexpr):
+def _step_matrices_kernel(
+    a_ptr, e_ptr, h_hi, h_lo, R, NDIM: tl.constexpr, DEG: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
     """``e[r] = (expm(h [a[r]; 0]))[:NDIM]`` for ``R`` row-major ``NDIM x (NDIM + 1)`` matrices, written as padded
-    ``NDIM x 4`` rows (a zero last column in 2D). Computed in float64."""
-    M: tl.constexpr = NDIM * (NDIM + 1)
-    row = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK))[:, None, None].to(tl.int64)
-    r = tl.arange(0, 4)[None, :, None]
-    c = tl.arange(0, 4)[None, None, :]
-    m = tl.load(a_ptr + row * M + r * (NDIM + 1) + c, mask=(row < R) & (r < NDIM) & (c < NDIM + 1), other=0.0)
-    t = _expm(m.to(tl.float64) * h, (r == c).to(tl.float64), DEG)
-    tl.store(e_ptr + row * (NDIM * 4) + r * 4 + c, t.to(e_ptr.dtype.element_ty), mask=(row < R) & (r < NDIM))
+    ``NDIM x 4`` rows (a zero last column in 2D). Computed in float64 on the top rows (module docstring)."""
+    Q: tl.constexpr = NDIM + 1
+    h = _float64(h_hi, h_lo)
+    row = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    ok = row < R
+    m = ()
+    for i in tl.static_range(NDIM * Q):
+        m = m + (tl.load(a_ptr + row * (NDIM * Q) + i, mask=ok, other=0.0).to(tl.float64) * h,)  # noqa: RUF005
+    s = _scaling(_row_sums(m, NDIM, Q))
+    m = _scale(m, tl.exp2(-s))
+    t = _plus_identity(_scale(m, 0.0), NDIM, Q)
+    for k in range(DEG, 0, -1):
+        t = _plus_identity(_scale(_mm_top(m, t, NDIM), 1.0 / tl.cast(k, tl.float64)), NDIM, Q)
+    for i in range(tl.max(s, axis=0).to(tl.int32)):
+        t = _select(i < s, _mm_top(t, t, NDIM), t)
+    for i in tl.static_range(NDIM):
+        for j in tl.static_range(4):
+            if j < Q:
+                value = t[i * Q + j]
+            else:
+                value = t[0] * 0.0
+            tl.store(e_ptr + row * (NDIM * 4) + i * 4 + j, value.to(e_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _step_matrices_vjp_kernel(
-    a_ptr, g_ptr, out_ptr, h, R, NDIM: tl.constexpr, DEG: tl.constexpr, BLOCK: tl.constexpr
+    a_ptr, g_ptr, out_ptr, h_hi, h_lo, R, NDIM: tl.constexpr, DEG: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
     """``out[r] = h L[:NDIM, :NDIM + 1]``, ``L`` the top-right block of ``expm([[X^T, G'], [0, X^T]])`` with
-    ``X = h [a[r]; 0]`` and ``G' = [g[r]; 0]`` padded to ``4 x 4`` (``g`` in padded ``NDIM x 4`` rows; its last column
-    is not read in 2D). ``G'`` is scaled to a largest entry of 1 (``L`` is linear in it), so that its size does not set
-    the number of squarings. Computed in float64."""
-    M: tl.constexpr = NDIM * (NDIM + 1)
-    row = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK))[:, None, None].to(tl.int64)
-    r = tl.arange(0, 4)[None, :, None]
-    c = tl.arange(0, 4)[None, None, :]
+    ``X = h [a[r]; 0]`` and ``G' = [g[r]; 0]`` (``g`` in padded ``NDIM x 4`` rows; its last column is not read in 2D).
+    ``G'`` is scaled to a largest entry of 1 (``L`` is linear in it), so that its size does not set the number of
+    squarings. The block matrix stays block upper triangular through Horner's steps and the squarings,
+    ``[[A, B], [0, A]] [[C, D], [0, C]] = [[AC, AD + BC], [0, AC]]``. Computed in float64."""
+    Q: tl.constexpr = NDIM + 1
+    h = _float64(h_hi, h_lo)
+    row = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     ok = row < R
-    y = tl.load(a_ptr + row * M + c * (NDIM + 1) + r, mask=ok & (c < NDIM) & (r < NDIM + 1), other=0.0)  # X^T / h
-    inside = ok & (r < NDIM) & (c < NDIM + 1)
-    g = tl.load(g_ptr + row * (NDIM * 4) + r * 4 + c, mask=inside, other=0.0).to(tl.float64)
-    scale = tl.max(tl.max(tl.abs(g), axis=2), axis=1)
-    scale = tl.where(scale > 0, scale, 1.0)[:, None, None]
-    u = _expm_frechet(y.to(tl.float64) * h, g / scale, (r == c).to(tl.float64), DEG)
-    tl.store(out_ptr + row * M + r * (NDIM + 1) + c, (u * scale * h).to(out_ptr.dtype.element_ty), mask=inside)
+    zero = tl.zeros([BLOCK], dtype=tl.float64)
+    y = ()  # X^T
+    g = ()
+    for i in tl.static_range(Q):
+        for j in tl.static_range(Q):
+            if j < NDIM:
+                y = y + (tl.load(a_ptr + row * (NDIM * Q) + j * Q + i, mask=ok, other=0.0).to(tl.float64) * h,)  # noqa: RUF005
+            else:
+                y = y + (zero,)  # noqa: RUF005
+            if i < NDIM:
+                g = g + (tl.load(g_ptr + row * (NDIM * 4) + i * 4 + j, mask=ok, other=0.0).to(tl.float64),)  # noqa: RUF005
+            else:
+                g = g + (zero,)  # noqa: RUF005
+    size = tl.abs(g[0])
+    for i in tl.static_range(1, Q * Q):
+        size = tl.maximum(size, tl.abs(g[i]))
+    size = tl.where(size > 0, size, 1.0)
+    s = _scaling(_row_sums(y, Q, Q) + _row_sums(g, Q, Q) / size)
+    scale = tl.exp2(-s)
+    y = _scale(y, scale)
+    g = _scale(g, scale / size)
+    t = _plus_identity(_scale(y, 0.0), Q, Q)
+    u = _scale(y, 0.0)
+    for k in range(DEG, 0, -1):
+        inverse = 1.0 / tl.cast(k, tl.float64)
+        u = _scale(_add(_mm(y, u, Q), _mm(g, t, Q)), inverse)
+        t = _plus_identity(_scale(_mm(y, t, Q), inverse), Q, Q)
+    for i in range(tl.max(s, axis=0).to(tl.int32)):
+        square = i < s
+        u = _select(square, _add(_mm(t, u, Q), _mm(u, t, Q)), u)
+        t = _select(square, _mm(t, t, Q), t)
+    for i in tl.static_range(NDIM):
+        for j in tl.static_range(Q):
+            value = u[i * Q + j] * (size * h)
+            tl.store(out_ptr + row * (NDIM * Q) + i * Q + j, value.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch(kernel, R: int, *args, dtype: torch.dtype, ndim: int) -> None:
-    if dtype not in (torch.float32, torch.float64) or ndim not in (2, 3):
+def _split(h: float) -> tuple[float, float]:
+    """``h`` as two float32 values whose sum in float64 is ``h`` to about 2^-48 relative."""
+    hi = float(np.float32(h))
+    return hi, float(np.float32(h - hi))
+
+
+def _launch(kernel, R: int, *args, h: float, dtype: torch.dtype, ndim: int) -> None:
+    if dtype not in _DEGREE or ndim not in (2, 3):
         raise ValueError(f"step matrices take float32/float64 (..., n, n + 1) with n in (2, 3), got {dtype}, n={ndim}")
-    kernel[(triton.cdiv(R, _BLOCK),)](*args, R, NDIM=ndim, DEG=18, BLOCK=_BLOCK, num_warps=4)
+    grid = (triton.cdiv(R, _BLOCK),)
+    kernel[grid](*args, *_split(h), R, NDIM=ndim, DEG=_DEGREE[dtype], BLOCK=_BLOCK, num_warps=4)
 
 
 def padded_rows(M: Tensor) -> Tensor:
@@ -119,7 +224,7 @@ def step_matrices(A: Tensor, h: float) -> Tensor:
     A = A.contiguous()
     E = A.new_empty((*A.shape[:-1], 4))
     n = A.shape[-2]
-    _launch(_step_matrices_kernel, A.numel() // (n * (n + 1)), A, E, float(h), dtype=A.dtype, ndim=n)
+    _launch(_step_matrices_kernel, A.numel() // (n * (n + 1)), A, E, h=h, dtype=A.dtype, ndim=n)
     return E
 
 
@@ -129,5 +234,5 @@ def step_matrices_vjp(A: Tensor, h: float, grad_E: Tensor) -> Tensor:
     A, grad_E = A.contiguous(), padded_rows(grad_E)
     out = torch.empty_like(A)
     n = A.shape[-2]
-    _launch(_step_matrices_vjp_kernel, A.numel() // (n * (n + 1)), A, grad_E, out, float(h), dtype=A.dtype, ndim=n)
+    _launch(_step_matrices_vjp_kernel, A.numel() // (n * (n + 1)), A, grad_E, out, h=h, dtype=A.dtype, ndim=n)
     return out

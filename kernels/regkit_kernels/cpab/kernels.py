@@ -6,8 +6,9 @@ component ``i`` evaluated as ``((E_i0 x_0 + E_i1 x_1) [+ E_i2 x_2]) + e_i``. The
 floating-point contraction off, so every product and sum is rounded as in PyTorch and the visited cells are the same.
 
 Every program owns ``BLOCK`` points of one batch element (``program_id(1)``) and keeps them in registers through all
-steps. ``geom_ptr`` holds, in the working dtype, the box's ``lower`` (NDIM values), ``extent = upper - lower`` (NDIM)
-and the per-axis box counts (NDIM), rounded exactly as ``locate`` rounds them. ``e_ptr`` is the step-matrix table
+steps. ``geom_ptr`` holds, in the working dtype, the box's ``lower`` (NDIM values), a per-axis scale (NDIM: the
+extent ``upper - lower``, or its inverse when every extent is a power of two and ``DIVIDE`` is off) and the per-axis
+box counts (NDIM), rounded exactly as ``locate`` rounds them. ``e_ptr`` is the step-matrix table
 ``E (B, C, NDIM, 4)``, contiguous, each row padded to 4 values (zero last column in 2D), so that a row is one aligned
 vector load; the moment table has the same layout. Few, wide memory operations also keep Triton's compile time down
 (its coalescing pass grows much faster than linearly with the number of loads and atomics in the unrolled backward).
@@ -20,34 +21,56 @@ import triton.language as tl
 
 
 @triton.jit
-def _axis(x, geom_ptr, axis: tl.constexpr, NDIM: tl.constexpr):
-    """Box index (int32) and clamped in-box coordinate along one axis, exactly as ``Tessellation.locate``."""
-    lower = tl.load(geom_ptr + axis)
-    extent = tl.load(geom_ptr + NDIM + axis)
-    count = tl.load(geom_ptr + 2 * NDIM + axis)
-    if x.dtype == tl.float32:
-        u = tl.math.div_rn(x - lower, extent)
+def _geometry(geom_ptr, NDIM: tl.constexpr):
+    """The box's ``lower``, per-axis scale (``extent``, or ``1 / extent`` when not ``DIVIDE``) and box counts, loaded
+    once per program (values, not loads, inside the step loops)."""
+    lo0 = tl.load(geom_ptr)
+    lo1 = tl.load(geom_ptr + 1)
+    sc0 = tl.load(geom_ptr + NDIM)
+    sc1 = tl.load(geom_ptr + NDIM + 1)
+    n0 = tl.load(geom_ptr + 2 * NDIM)
+    n1 = tl.load(geom_ptr + 2 * NDIM + 1)
+    if NDIM == 3:
+        lo2 = tl.load(geom_ptr + 2)
+        sc2 = tl.load(geom_ptr + NDIM + 2)
+        n2 = tl.load(geom_ptr + 2 * NDIM + 2)
     else:
-        u = (x - lower) / extent
-    u = tl.where(u != u, 0.0, u)  # NaN -> lower
-    u = tl.minimum(tl.maximum(u, 0.0), 1.0) * count
-    box = tl.minimum(tl.floor(u), count - 1.0)  # x == upper belongs to the last box
-    local = tl.minimum(tl.maximum(u - box, 0.0), 1.0)
-    return box.to(tl.int32), local
+        lo2, sc2, n2 = lo0, sc0, n0
+    return (lo0, lo1, lo2), (sc0, sc1, sc2), (n0, n1, n2)
 
 
 @triton.jit
-def _locate(x0, x1, x2, geom_ptr, NX, NY, NDIM: tl.constexpr):
+def _axis(x, lower, scale, count, DIVIDE: tl.constexpr):
+    """Box index (int32) and in-box coordinate along one axis, exactly as ``Tessellation.locate``:
+    ``u = clamp((x - lower) / extent, 0, 1) * count`` (NaN -> 0). Without ``DIVIDE`` the extent is a power of two and
+    ``scale = 1 / extent``, so that the product is the quotient, bit for bit. ``u - box`` is exact and in [0, 1] (the
+    fraction of a float, or 1 on the upper face), so ``locate``'s clamp of it changes nothing and is left out."""
+    if DIVIDE:
+        if x.dtype == tl.float32:
+            u = tl.math.div_rn(x - lower, scale)
+        else:
+            u = (x - lower) / scale
+    else:
+        u = (x - lower) * scale
+    u = tl.where(u != u, 0.0, u)  # NaN -> lower
+    u = tl.minimum(tl.maximum(u, 0.0), 1.0) * count
+    box = tl.minimum(tl.floor(u), count - 1.0)  # x == upper belongs to the last box
+    return box.to(tl.int32), u - box
+
+
+@triton.jit
+def _locate(x0, x1, x2, geo, NX, NY, NDIM: tl.constexpr, DIVIDE: tl.constexpr):
     """Cell ids (int32) of the points; ``x2`` is ignored in 2D. Numbering as ``Tessellation.locate``."""
-    bx, lx = _axis(x0, geom_ptr, 0, NDIM)
-    by, ly = _axis(x1, geom_ptr, 1, NDIM)
+    lower, scale, count = geo
+    bx, lx = _axis(x0, lower[0], scale[0], count[0], DIVIDE)
+    by, ly = _axis(x1, lower[1], scale[1], count[1], DIVIDE)
     if NDIM == 2:
         above_main = ly > lx
         above_anti = ly > 1.0 - lx
         cell = 2 * above_main.to(tl.int32) + (above_main != above_anti).to(tl.int32)
         return 4 * (bx + NX * by) + cell
     else:
-        bz, lz = _axis(x2, geom_ptr, 2, NDIM)
+        bz, lz = _axis(x2, lower[2], scale[2], count[2], DIVIDE)
         odd = ((bx + by + bz) % 2) == 1
         lx = tl.where(odd, 1.0 - lx, lx)
         cell = (
@@ -75,10 +98,10 @@ def _pack(c0, c1, c2, c3):
 
 
 @triton.jit
-def _load_row(row_ptr, ok):
-    """Row ``row_ptr -> (4,)`` of a padded table for each point in one vector load, as its 4 columns."""
-    v = tl.load(row_ptr[:, None] + tl.arange(0, 4)[None, :], mask=ok[:, None], other=0.0)
-    return _unpack(v)
+def _load_row(row_ptr):
+    """Row ``row_ptr -> (4,)`` of a padded table for each point in one vector load, as its 4 columns. Unmasked: every
+    point, also a padding lane's (zero coordinates), has a valid cell."""
+    return _unpack(tl.load(row_ptr[:, None] + tl.arange(0, 4)[None, :]))
 
 
 @triton.jit
@@ -92,16 +115,16 @@ def _affine_row(e0, e1, e2, e3, x0, x1, x2, NDIM: tl.constexpr):
 
 
 @triton.jit
-def _step(e_batch, x0, x1, x2, ok, geom_ptr, NX, NY, NDIM: tl.constexpr):
+def _step(e_batch, x0, x1, x2, geo, NX, NY, NDIM: tl.constexpr, DIVIDE: tl.constexpr):
     """One scheme step: the new points and the cells the step used."""
-    cell = _locate(x0, x1, x2, geom_ptr, NX, NY, NDIM)
-    e = e_batch + cell.to(tl.int64) * (4 * NDIM)
-    p0, p1, p2, p3 = _load_row(e, ok)
-    q0, q1, q2, q3 = _load_row(e + 4, ok)
+    cell = _locate(x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
+    e = e_batch + cell * (4 * NDIM)
+    p0, p1, p2, p3 = _load_row(e)
+    q0, q1, q2, q3 = _load_row(e + 4)
     y0 = _affine_row(p0, p1, p2, p3, x0, x1, x2, NDIM)
     y1 = _affine_row(q0, q1, q2, q3, x0, x1, x2, NDIM)
     if NDIM == 3:
-        r0, r1, r2, r3 = _load_row(e + 8, ok)
+        r0, r1, r2, r3 = _load_row(e + 8)
         x2 = _affine_row(r0, r1, r2, r3, x0, x1, x2, NDIM)
     return y0, y1, x2, cell
 
@@ -128,13 +151,14 @@ def _store_points(ptr, idx, x0, x1, x2, ok, NDIM: tl.constexpr):
 @triton.jit
 def _cpab_fwd_kernel(
     x_ptr, x_batch_stride, e_ptr, geom_ptr, out_ptr, ckpt_ptr, B, N, C, NX, NY, T, K, NDIM: tl.constexpr,
-    BLOCK: tl.constexpr,
+    DIVIDE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """``out (B, N, NDIM)`` = the points after ``T`` steps; ``ckpt (S - 1, B, N, NDIM)`` = the positions after K, 2K,
     ... steps. ``x_ptr`` rows are contiguous, ``x_batch_stride`` apart (0 for points shared by the batch)."""
     b = tl.program_id(1).to(tl.int64)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < N
+    geo = _geometry(geom_ptr, NDIM)
     x0, x1, x2 = _load_points(x_ptr + b * x_batch_stride, idx, ok, NDIM)
     e_batch = e_ptr + b * C * (4 * NDIM)
     S = tl.cdiv(T, K)
@@ -142,19 +166,21 @@ def _cpab_fwd_kernel(
         if seg > 0:
             _store_points(ckpt_ptr + ((seg - 1) * B + b) * N * NDIM, idx, x0, x1, x2, ok, NDIM)
         for _ in range(tl.minimum(K, T - seg * K)):
-            x0, x1, x2, _cell = _step(e_batch, x0, x1, x2, ok, geom_ptr, NX, NY, NDIM)
+            x0, x1, x2, _cell = _step(e_batch, x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
     _store_points(out_ptr + b * N * NDIM, idx, x0, x1, x2, ok, NDIM)
 
 
 @triton.jit
 def _flush(mom_ptr, cell, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM: tl.constexpr):
-    """Add the accumulated moment rows of ``cell`` (padded ``NDIM x 4``) to the table where ``changed``."""
-    p = (mom_ptr + cell.to(tl.int64) * (4 * NDIM))[:, None] + tl.arange(0, 4)[None, :]
+    """Add the accumulated moment rows of ``cell`` (padded ``NDIM x 4``) to the table where ``changed`` (in 2D the
+    padding column is left out)."""
+    col = tl.arange(0, 4)[None, :]
+    p = (mom_ptr + cell * (4 * NDIM))[:, None] + col
     m = (ok & changed & (cell >= 0))[:, None]
     if NDIM == 2:
-        zero = tl.zeros_like(a0)
-        tl.atomic_add(p, _pack(a0, a1, a2, zero), mask=m, sem="relaxed")
-        tl.atomic_add(p + 4, _pack(a3, a4, a5, zero), mask=m, sem="relaxed")
+        m = m & (col < 3)
+        tl.atomic_add(p, _pack(a0, a1, a2, a2), mask=m, sem="relaxed")
+        tl.atomic_add(p + 4, _pack(a3, a4, a5, a5), mask=m, sem="relaxed")
     else:
         tl.atomic_add(p, _pack(a0, a1, a2, a3), mask=m, sem="relaxed")
         tl.atomic_add(p + 4, _pack(a4, a5, a6, a7), mask=m, sem="relaxed")
@@ -162,21 +188,34 @@ def _flush(mom_ptr, cell, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a
 
 
 @triton.jit
+def _select(j, slots, SLOTS: tl.constexpr):
+    """``slots[j]`` for a run-time ``j`` (a chain of selects over the register tuple)."""
+    x = slots[0]
+    for q in tl.static_range(1, SLOTS):
+        x = tl.where(j == q, slots[q], x)
+    return x
+
+
+@triton.jit
 def _cpab_bwd_kernel(
-    x_ptr, x_batch_stride, ckpt_ptr, g_ptr, e_ptr, geom_ptr, gx_ptr, mom_ptr, B, N, C, NX, NY, T,
-    NDIM: tl.constexpr, K: tl.constexpr, MOMENTS: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, x_batch_stride, ckpt_ptr, g_ptr, e_ptr, geom_ptr, gx_ptr, mom_ptr, B, N, C, NX, NY, T, K,
+    NDIM: tl.constexpr, SEG: tl.constexpr, SLOTS: tl.constexpr, MOMENTS: tl.constexpr, POINTS: tl.constexpr,
+    DIVIDE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The adjoint sweep: ``lambda_T = g``, then for ``s = T - 1 .. 0``: ``dL/dE_{c_s} += lambda_{s+1} [x_s; 1]^T``
-    and ``lambda_s = E_lin(c_s)^T lambda_{s+1}``. Writes ``gx = lambda_0 (B, N, NDIM)`` and, when ``MOMENTS``, adds
-    into ``mom (B, C, NDIM, 4)`` (zeroed by the caller).
+    and ``lambda_s = E_lin(c_s)^T lambda_{s+1}``. Writes, when ``POINTS``, ``gx = lambda_0 (B, N, NDIM)`` and, when
+    ``MOMENTS``, adds into ``mom (B, C, NDIM, 4)`` (zeroed by the caller).
 
-    Segments are taken last first: the ``K`` positions and cells of a segment are recomputed from its checkpoint
-    (bit-identical to the forward, so the same cells ``c_s``) into registers (tuples, unrolled: ``K`` is a compile-time
-    constant), then swept backward. A point's moment is accumulated in registers while it stays in one cell and added
-    to the table (one vector of atomics per row) when its cell changes, and once at the end."""
+    Stored segments (``K`` steps from a checkpoint) are taken last first. Within one, the positions every ``SEG`` steps
+    are recomputed into registers (``SLOTS = ceil(K / SEG)`` of them; none to compute when ``SLOTS == 1``), and its
+    sub-segments are taken last first: the ``SEG`` positions and cells of a sub-segment are recomputed (bit-identical
+    to the forward, so the same cells ``c_s``) into registers (tuples, unrolled: ``SEG`` is a compile-time constant),
+    then swept backward. A point's moment is accumulated in registers while it stays in one cell and added to the
+    table (one vector of atomics per row) when its cell changes, and once at the end."""
     b = tl.program_id(1).to(tl.int64)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < N
+    geo = _geometry(geom_ptr, NDIM)
     l0, l1, l2 = _load_points(g_ptr + b * N * NDIM, idx, ok, NDIM)
     e_batch = e_ptr + b * C * (4 * NDIM)
     mom_batch = mom_ptr + b * C * (4 * NDIM)
@@ -194,49 +233,60 @@ def _cpab_bwd_kernel(
             x0, x1, x2 = _load_points(ckpt_ptr + ((seg - 1) * B + b) * N * NDIM, idx, ok, NDIM)
         # Tuples grown by concatenation (Triton's code generator takes no starred elements). Steps past the end of a
         # short last segment are computed and not used.
-        xs0, xs1, xs2, cells = (), (), (), ()
-        for _ in tl.static_range(K):
-            xs0, xs1, xs2 = xs0 + (x0,), xs1 + (x1,), xs2 + (x2,)  # type: ignore[assignment]  # noqa: RUF005
-            x0, x1, x2, cell = _step(e_batch, x0, x1, x2, ok, geom_ptr, NX, NY, NDIM)
-            cells = cells + (cell,)  # type: ignore[assignment]  # noqa: RUF005
-        for k in tl.static_range(K - 1, -1, -1):
-            if k < length:
-                x0, x1, x2, cell = xs0[k], xs1[k], xs2[k], cells[k]
-                e = e_batch + cell.to(tl.int64) * (4 * NDIM)
-                if MOMENTS:
-                    changed = cell != current
-                    _flush(mom_batch, current, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM)
-                    current = cell
+        c0, c1, c2 = (x0,), (x1,), (x2,)
+        for _slot in tl.static_range(1, SLOTS):
+            for _step_in_slot in range(SEG):
+                x0, x1, x2, _cell = _step(e_batch, x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
+            c0, c1, c2 = c0 + (x0,), c1 + (x1,), c2 + (x2,)  # type: ignore[assignment]  # noqa: RUF005
+        subsegments = tl.cdiv(length, SEG)
+        for jj in range(subsegments):
+            j = subsegments - 1 - jj
+            sublength = tl.minimum(SEG, length - j * SEG)
+            x0, x1, x2 = _select(j, c0, SLOTS), _select(j, c1, SLOTS), _select(j, c2, SLOTS)
+            xs0, xs1, xs2, cells = (), (), (), ()
+            for _step_in_sub in tl.static_range(SEG):
+                xs0, xs1, xs2 = xs0 + (x0,), xs1 + (x1,), xs2 + (x2,)  # type: ignore[assignment]  # noqa: RUF005
+                x0, x1, x2, cell = _step(e_batch, x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
+                cells = cells + (cell,)  # type: ignore[assignment]  # noqa: RUF005
+            for k in tl.static_range(SEG - 1, -1, -1):
+                if k < sublength:
+                    x0, x1, x2, cell = xs0[k], xs1[k], xs2[k], cells[k]
+                    e = e_batch + cell * (4 * NDIM)
+                    if MOMENTS:
+                        changed = cell != current
+                        _flush(mom_batch, current, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM)
+                        current = cell
+                        if NDIM == 2:
+                            a0 = tl.where(changed, zero, a0) + l0 * x0
+                            a1 = tl.where(changed, zero, a1) + l0 * x1
+                            a2 = tl.where(changed, zero, a2) + l0
+                            a3 = tl.where(changed, zero, a3) + l1 * x0
+                            a4 = tl.where(changed, zero, a4) + l1 * x1
+                            a5 = tl.where(changed, zero, a5) + l1
+                        else:
+                            a0 = tl.where(changed, zero, a0) + l0 * x0
+                            a1 = tl.where(changed, zero, a1) + l0 * x1
+                            a2 = tl.where(changed, zero, a2) + l0 * x2
+                            a3 = tl.where(changed, zero, a3) + l0
+                            a4 = tl.where(changed, zero, a4) + l1 * x0
+                            a5 = tl.where(changed, zero, a5) + l1 * x1
+                            a6 = tl.where(changed, zero, a6) + l1 * x2
+                            a7 = tl.where(changed, zero, a7) + l1
+                            a8 = tl.where(changed, zero, a8) + l2 * x0
+                            a9 = tl.where(changed, zero, a9) + l2 * x1
+                            a10 = tl.where(changed, zero, a10) + l2 * x2
+                            a11 = tl.where(changed, zero, a11) + l2
+                    p0, p1, p2, _p3 = _load_row(e)
+                    q0, q1, q2, _q3 = _load_row(e + 4)
                     if NDIM == 2:
-                        a0 = tl.where(changed, zero, a0) + l0 * x0
-                        a1 = tl.where(changed, zero, a1) + l0 * x1
-                        a2 = tl.where(changed, zero, a2) + l0
-                        a3 = tl.where(changed, zero, a3) + l1 * x0
-                        a4 = tl.where(changed, zero, a4) + l1 * x1
-                        a5 = tl.where(changed, zero, a5) + l1
+                        l0, l1 = p0 * l0 + q0 * l1, p1 * l0 + q1 * l1
                     else:
-                        a0 = tl.where(changed, zero, a0) + l0 * x0
-                        a1 = tl.where(changed, zero, a1) + l0 * x1
-                        a2 = tl.where(changed, zero, a2) + l0 * x2
-                        a3 = tl.where(changed, zero, a3) + l0
-                        a4 = tl.where(changed, zero, a4) + l1 * x0
-                        a5 = tl.where(changed, zero, a5) + l1 * x1
-                        a6 = tl.where(changed, zero, a6) + l1 * x2
-                        a7 = tl.where(changed, zero, a7) + l1
-                        a8 = tl.where(changed, zero, a8) + l2 * x0
-                        a9 = tl.where(changed, zero, a9) + l2 * x1
-                        a10 = tl.where(changed, zero, a10) + l2 * x2
-                        a11 = tl.where(changed, zero, a11) + l2
-                p0, p1, p2, _p3 = _load_row(e, ok)
-                q0, q1, q2, _q3 = _load_row(e + 4, ok)
-                if NDIM == 2:
-                    l0, l1 = p0 * l0 + q0 * l1, p1 * l0 + q1 * l1
-                else:
-                    r0, r1, r2, _r3 = _load_row(e + 8, ok)
-                    n0 = (p0 * l0 + q0 * l1) + r0 * l2
-                    n1 = (p1 * l0 + q1 * l1) + r1 * l2
-                    l2 = (p2 * l0 + q2 * l1) + r2 * l2
-                    l0, l1 = n0, n1
+                        r0, r1, r2, _r3 = _load_row(e + 8)
+                        n0 = (p0 * l0 + q0 * l1) + r0 * l2
+                        n1 = (p1 * l0 + q1 * l1) + r1 * l2
+                        l2 = (p2 * l0 + q2 * l1) + r2 * l2
+                        l0, l1 = n0, n1
     if MOMENTS:
         _flush(mom_batch, current, current >= 0, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM)
-    _store_points(gx_ptr + b * N * NDIM, idx, l0, l1, l2, ok, NDIM)
+    if POINTS:
+        _store_points(gx_ptr + b * N * NDIM, idx, l0, l1, l2, ok, NDIM)

@@ -26,6 +26,8 @@ _BLOCK = 128  # points per program on the GPU (one per thread with 4 warps)
 _NUM_WARPS = 4
 _INTERPRETER_BLOCK = 1 << 12  # under TRITON_INTERPRET=1 every program costs Python overhead: few, large ones
 _DTYPES = (torch.float32, torch.float64)
+_SEGMENT = 5  # steps per unrolled sub-segment of the backward kernel (compile time grows about as its cube)
+_GEOMETRY: dict[tuple[Any, ...], tuple[Tensor, bool]] = {}
 
 
 class Box(Protocol):
@@ -40,12 +42,25 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _geometry(tess: Box, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``[lower, upper - lower, shape]`` in ``dtype``, rounded exactly as ``Tessellation.locate`` rounds them."""
-    lower = torch.tensor(tess.lower, dtype=dtype, device=device)
-    extent = torch.tensor(tess.upper, dtype=dtype, device=device) - lower
-    counts = torch.tensor(tess.shape, dtype=dtype, device=device)
-    return torch.cat([lower, extent, counts])
+def _geometry(tess: Box, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, bool]:
+    """The kernels' geometry table and whether they must divide (``kernels._axis``): ``[lower, scale, shape]`` in
+    ``dtype`` on ``device``, ``lower`` and ``extent = upper - lower`` rounded exactly as ``Tessellation.locate`` rounds
+    them, ``scale = 1 / extent`` when every extent is a power of two (then ``x * scale`` is ``x / extent`` bit for bit),
+    else ``extent``. Cached per box, dtype and device: a table made from host values is a host-to-device copy, which
+    would stall the host until the GPU has caught up."""
+    key = (tuple(tess.shape), tuple(map(float, tess.lower)), tuple(map(float, tess.upper)), dtype, device)
+    if key not in _GEOMETRY:
+        lower = torch.tensor(tess.lower, dtype=dtype)
+        extent = torch.tensor(tess.upper, dtype=dtype) - lower
+        mantissa, _ = torch.frexp(extent)
+        inverse = 1 / extent
+        divide = not bool(
+            ((mantissa == 0.5) & (extent * inverse == 1) & (inverse.abs() >= torch.finfo(dtype).tiny)).all()
+        )
+        scale = extent if divide else inverse
+        table = torch.cat([lower, scale, torch.tensor(tess.shape, dtype=dtype)]).to(device)
+        _GEOMETRY[key] = (table, divide)
+    return _GEOMETRY[key]
 
 
 def _check(points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: int) -> None:
@@ -86,17 +101,18 @@ def cpab_fwd(points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every:
     ``expm.padded_rows``) from ``points (B, N, n)``
     (domain coordinates; the batch dimension may be a stride-0 broadcast). Returns the end points ``(B, N, n)`` and the
     checkpoints ``(S - 1, B, N, n)``: the positions after ``K, 2K, ...`` steps, ``S = ceil(steps / K)`` (the backward
-    pass takes the points themselves for the first segment)."""
+    pass takes the points themselves for the first segment; ``K >= steps`` stores none)."""
     _check(points, E, tess, steps, checkpoint_every)
     B, N, n = points.shape
     points, E = _rows(points), padded_rows(E)
+    geometry, divide = _geometry(tess, points.dtype, points.device)
     out = points.new_empty((B, N, n))
     checkpoints = points.new_empty((-(-steps // checkpoint_every) - 1, B, N, n))
     grid, block, nx, ny = _launch_args(points, tess)
     _cpab_fwd_kernel[grid](
-        points, points.stride(0), E, _geometry(tess, points.dtype, points.device), out, _or(checkpoints, points),
+        points, points.stride(0), E, geometry, out, _or(checkpoints, points),
         B, N, E.shape[1], nx, ny, steps, checkpoint_every,
-        NDIM=n, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
+        NDIM=n, DIVIDE=divide, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return out, checkpoints
 
@@ -110,24 +126,30 @@ def cpab_bwd(
     steps: int,
     checkpoint_every: int,
     moments: bool,
-) -> tuple[Tensor, Tensor | None]:
+    point_grad: bool = True,
+) -> tuple[Tensor | None, Tensor | None]:
     """The fused factorized adjoint for ``grad_out = dL/dx_T (B, N, n)``, given the forward pass's points and
-    checkpoints: returns ``dL/dpoints (B, N, n)`` and, when ``moments``, ``dL/dE (B, C, n, 4)`` in padded rows (the
-    per-cell moments ``sum lambda_{s+1} [x_s; 1]^T``; float atomics, so the summation order varies between runs). The
-    segment
-    length ``checkpoint_every`` is a compile-time constant of the backward kernel (its steps are unrolled)."""
+    checkpoints (every ``checkpoint_every`` steps, as :func:`cpab_fwd` stores them): returns, when ``point_grad``,
+    ``dL/dpoints (B, N, n)`` and, when ``moments``, ``dL/dE (B, C, n, 4)`` in padded rows (the per-cell moments
+    ``sum lambda_{s+1} [x_s; 1]^T``; float atomics, so the summation order varies between runs). The kernel sweeps
+    sub-segments of ``min(checkpoint_every, 5)`` unrolled steps; longer stored segments are first recomputed into
+    register checkpoints (one more pass of the scheme over them, in exchange for less memory)."""
     B, N, n = grad_out.shape
+    checkpoint_every = min(checkpoint_every, steps)
     points, grad_out, E = _rows(points), grad_out.contiguous(), padded_rows(E)
-    grad_points = torch.empty_like(grad_out)
-    grad_E = torch.zeros_like(E) if moments else E.new_zeros(1)
+    geometry, divide = _geometry(tess, E.dtype, E.device)
+    grad_points = torch.empty_like(grad_out) if point_grad else None
+    grad_E = torch.zeros_like(E) if moments else None
+    segment = min(checkpoint_every, _SEGMENT)
     grid, block, nx, ny = _launch_args(grad_out, tess)
     _cpab_bwd_kernel[grid](
-        points, points.stride(0), _or(checkpoints, points), grad_out, E, _geometry(tess, E.dtype, E.device),
-        grad_points, grad_E,
-        B, N, E.shape[1], nx, ny, steps,
-        NDIM=n, K=checkpoint_every, MOMENTS=moments, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
+        points, points.stride(0), _or(checkpoints, points), grad_out, E, geometry,
+        grad_out if grad_points is None else grad_points, E if grad_E is None else grad_E,
+        B, N, E.shape[1], nx, ny, steps, checkpoint_every,
+        NDIM=n, SEG=segment, SLOTS=-(-checkpoint_every // segment), MOMENTS=moments, POINTS=point_grad,
+        DIVIDE=divide, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
-    return grad_points, (grad_E if moments else None)
+    return grad_points, grad_E
 
 
 class CPABIntegrateTriton(torch.autograd.Function):
@@ -156,15 +178,20 @@ class CPABIntegrateTriton(torch.autograd.Function):
             return None, None, None, None, None, None
         points, A, E, checkpoints = ctx.saved_tensors
         grad_points, grad_E = cpab_bwd(
-            points, checkpoints, grad_out, E, ctx.tess, ctx.steps, ctx.checkpoint_every, need_A
+            points, checkpoints, grad_out, E, ctx.tess, ctx.steps, ctx.checkpoint_every, need_A, need_points
         )
         grad_A = step_matrices_vjp(A, ctx.h, grad_E) if grad_E is not None else None
-        return (grad_points if need_points else None), grad_A, None, None, None, None
+        return grad_points, grad_A, None, None, None, None
 
 
 def cpab_integrate(
     points: Tensor, A: Tensor, tess: Box, *, t: float = 1.0, steps: int, checkpoint_every: int
 ) -> Tensor:
     """Integrate ``points (B, N, n)`` (domain coordinates) for time ``t`` in ``steps`` expm steps through the CPA
-    field ``A (B, C, n, n + 1)`` of ``tess``; differentiable with respect to both (:class:`CPABIntegrateTriton`)."""
+    field ``A (B, C, n, n + 1)`` of ``tess``; differentiable with respect to both (:class:`CPABIntegrateTriton`).
+    ``checkpoint_every`` sets the memory of the backward pass: the forward stores the points every so many steps
+    (``ceil(steps / checkpoint_every) - 1`` copies); at most 5 it costs no recomputation beyond one pass of the scheme,
+    longer spacings cost one more pass. Without a graph to record (no gradient wanted) none are stored."""
+    if not (torch.is_grad_enabled() and (points.requires_grad or A.requires_grad)):
+        checkpoint_every = steps
     return CPABIntegrateTriton.apply(points, A, tess, float(t), int(steps), int(checkpoint_every))
