@@ -93,6 +93,18 @@ def test_fused_matches_reference_full_grid(ndim, shape, k, levels, dtype):
     _compare(ndim, shape, k, levels, dtype)
 
 
+@pytest.mark.parametrize(
+    "ndim, shape, k, levels", [(2, (2, 2, 13, 11), 3, 3), (3, (1, 2, 5, 6, 7), 3, 2)], ids=["2d", "3d"]
+)
+def test_weight_gradients_split_into_many_shares(ndim, shape, k, levels, monkeypatch):
+    """The GPU's tiling on the CPU: small blocks and spans give every level several partial-sum rows (and 2D level 1
+    a last, partial share), so that the program plan and the final sum over the rows are exercised."""
+    from regkit_kernels.wtconv import ops
+
+    monkeypatch.setattr(ops, "_wgrad_tiling", lambda *args: (4, 8))
+    _compare(ndim, shape, k, levels, torch.float32)
+
+
 def test_state_dict_moves_between_backends():
     device = _device()
     reference = _layer(2, 2, 3, 2, device)

@@ -354,7 +354,7 @@ def wtconv(
         name, copy_bw = f"CPU, torch {torch.__version__} (timings meaningless)", None
     console.print(name)
     first = _first_use(cases, Path(os.environ["TRITON_CACHE_DIR"])) if device == "cuda" and first_use else {}
-    time_it = _timer(device, 1.0, 50) if not quick else _timer(device, 0.0, 1, warm_up=False)
+    time_it = _timer(device, 0.5, 30) if not quick else _timer(device, 0.0, 1, warm_up=False)
     results: dict[tuple[Case, str], dict[str, Any]] = {}
     markdown = [f"### `regkit bench wtconv{' --quick' if quick else ''}`", "", name, ""]
     for case in cases:

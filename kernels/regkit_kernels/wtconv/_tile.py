@@ -6,8 +6,9 @@ a coarse grid (a Haar level's grid) in some batch item. Planes are addressed thr
 element, ``ok`` masks the valid elements, and coordinates are integer tensors; all of these only need to broadcast
 against each other (the weight-gradient kernels add a tap axis).
 
-The Haar butterflies here are unnormalised (sums and differences); the kernels fold the orthonormal factor
-2**(-ndim/2) into the weights. The 2D butterfly maps the block (a b / c d) to (LL, LH, HL, HH), LH being the high-pass
+The Haar butterflies here are unnormalised (sums and differences); the sub-band convolutions multiply their results
+by the orthonormal factor 2**(-ndim/2) and the per-band scales (the layer's parameters are read as they are, in any
+float dtype). The 2D butterfly maps the block (a b / c d) to (LL, LH, HL, HH), LH being the high-pass
 along y; its matrix is symmetric, so the same butterfly maps the four sub-band values of a block back to its pixels
 (a, b, c, d) (times 4).
 """
@@ -80,11 +81,11 @@ def _polyphase_conv2d(ptrs, w_ptr, qy, qx, ok, H, W, K: tl.constexpr, DIR: tl.co
             tx1 = DIR * (ox - 1) + P
             v = _load2d(ptrs, y, 2 * qx + ox, ok, H, W)
             if tx0 >= 0 and tx0 < K:
-                acc00 += tl.load(w_ptr + ty0 * K + tx0, mask=in0, other=0.0) * v
-                acc10 += tl.load(w_ptr + ty1 * K + tx0, mask=in1, other=0.0) * v
+                acc00 += tl.load(w_ptr + ty0 * K + tx0, mask=in0, other=0.0).to(tl.float32) * v
+                acc10 += tl.load(w_ptr + ty1 * K + tx0, mask=in1, other=0.0).to(tl.float32) * v
             if tx1 >= 0 and tx1 < K:
-                acc01 += tl.load(w_ptr + ty0 * K + tx1, mask=in0, other=0.0) * v
-                acc11 += tl.load(w_ptr + ty1 * K + tx1, mask=in1, other=0.0) * v
+                acc01 += tl.load(w_ptr + ty0 * K + tx1, mask=in0, other=0.0).to(tl.float32) * v
+                acc11 += tl.load(w_ptr + ty1 * K + tx1, mask=in1, other=0.0).to(tl.float32) * v
     return acc00, acc01, acc10, acc11
 
 
@@ -117,11 +118,12 @@ def _tile_coords(B, C, Q, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _haar_conv2d(ptrs, w_ptr, qy, qx, ok, H, W, K: tl.constexpr, DIR: tl.constexpr):
+def _haar_conv2d(ptrs, w_ptr, s_ptr, qy, qx, ok, H, W, K: tl.constexpr, DIR: tl.constexpr):
     """Depthwise K x K correlation of the four Haar sub-bands of a plane (DIR = 1), or its adjoint (DIR = -1), on the
-    sub-band grid: ``acc_b(q) = sum_t w[b, t] * U_b(q + DIR * (t - K // 2))`` where ``U_b(p)`` is the unnormalised
+    sub-band grid, times the per-band scale and the orthonormal factor 1/2:
+    ``acc_b(q) = s[b] / 2 * sum_t w[b, t] * U_b(q + DIR * (t - K // 2))`` where ``U_b(p)`` is the unnormalised
     sub-band b of the plane's 2 x 2 block at 2p, recomputed for every tap from four loads (the sub-bands never go to
-    memory). ``w_ptr`` points to this channel's ``[4, K * K]`` weights."""
+    memory). ``w_ptr`` and ``s_ptr`` point to this channel's ``[4, K * K]`` weights and ``[4]`` scales."""
     P: tl.constexpr = K // 2
     KK: tl.constexpr = K * K
     acc0 = tl.zeros(ok.shape, tl.float32)
@@ -133,11 +135,16 @@ def _haar_conv2d(ptrs, w_ptr, qy, qx, ok, H, W, K: tl.constexpr, DIR: tl.constex
         for tx in tl.static_range(K):
             ll, lh, hl, hh = _haar_block2d(ptrs, y, 2 * (qx + DIR * (tx - P)), ok, H, W)
             t = ty * K + tx
-            acc0 += tl.load(w_ptr + t) * ll
-            acc1 += tl.load(w_ptr + KK + t) * lh
-            acc2 += tl.load(w_ptr + 2 * KK + t) * hl
-            acc3 += tl.load(w_ptr + 3 * KK + t) * hh
-    return acc0, acc1, acc2, acc3
+            acc0 += tl.load(w_ptr + t).to(tl.float32) * ll
+            acc1 += tl.load(w_ptr + KK + t).to(tl.float32) * lh
+            acc2 += tl.load(w_ptr + 2 * KK + t).to(tl.float32) * hl
+            acc3 += tl.load(w_ptr + 3 * KK + t).to(tl.float32) * hh
+    return (
+        acc0 * (0.5 * tl.load(s_ptr).to(tl.float32)),
+        acc1 * (0.5 * tl.load(s_ptr + 1).to(tl.float32)),
+        acc2 * (0.5 * tl.load(s_ptr + 2).to(tl.float32)),
+        acc3 * (0.5 * tl.load(s_ptr + 3).to(tl.float32)),
+    )
 
 
 @triton.jit
@@ -197,8 +204,9 @@ def _butterfly3d(v0, v1, v2, v3, v4, v5, v6, v7):
 
 
 @triton.jit
-def _haar_conv3d(ptrs, w_ptr, qz, qy, qx, ok, D, H, W, K: tl.constexpr, DIR: tl.constexpr):
-    """3D analogue of :func:`_haar_conv2d` (eight sub-bands, ``w_ptr`` -> ``[8, K**3]``); the z taps are a loop."""
+def _haar_conv3d(ptrs, w_ptr, s_ptr, qz, qy, qx, ok, D, H, W, K: tl.constexpr, DIR: tl.constexpr):
+    """3D analogue of :func:`_haar_conv2d` (eight sub-bands, ``w_ptr`` -> ``[8, K**3]``, ``s_ptr`` -> ``[8]``, the
+    orthonormal factor 2**(-3/2)); the z taps are a loop."""
     P: tl.constexpr = K // 2
     KKK: tl.constexpr = K * K * K
     acc0 = tl.zeros(ok.shape, tl.float32)
@@ -216,15 +224,25 @@ def _haar_conv3d(ptrs, w_ptr, qz, qy, qx, ok, D, H, W, K: tl.constexpr, DIR: tl.
             for tx in tl.static_range(K):
                 u0, u1, u2, u3, u4, u5, u6, u7 = _haar_block3d(ptrs, z, y, 2 * (qx + DIR * (tx - P)), ok, D, H, W)
                 wt = w_ptr + (tz * K + ty) * K + tx
-                acc0 += tl.load(wt) * u0
-                acc1 += tl.load(wt + KKK) * u1
-                acc2 += tl.load(wt + 2 * KKK) * u2
-                acc3 += tl.load(wt + 3 * KKK) * u3
-                acc4 += tl.load(wt + 4 * KKK) * u4
-                acc5 += tl.load(wt + 5 * KKK) * u5
-                acc6 += tl.load(wt + 6 * KKK) * u6
-                acc7 += tl.load(wt + 7 * KKK) * u7
-    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+                acc0 += tl.load(wt).to(tl.float32) * u0
+                acc1 += tl.load(wt + KKK).to(tl.float32) * u1
+                acc2 += tl.load(wt + 2 * KKK).to(tl.float32) * u2
+                acc3 += tl.load(wt + 3 * KKK).to(tl.float32) * u3
+                acc4 += tl.load(wt + 4 * KKK).to(tl.float32) * u4
+                acc5 += tl.load(wt + 5 * KKK).to(tl.float32) * u5
+                acc6 += tl.load(wt + 6 * KKK).to(tl.float32) * u6
+                acc7 += tl.load(wt + 7 * KKK).to(tl.float32) * u7
+    r = 0.35355339059327373  # 2**(-3/2)
+    return (
+        acc0 * (r * tl.load(s_ptr).to(tl.float32)),
+        acc1 * (r * tl.load(s_ptr + 1).to(tl.float32)),
+        acc2 * (r * tl.load(s_ptr + 2).to(tl.float32)),
+        acc3 * (r * tl.load(s_ptr + 3).to(tl.float32)),
+        acc4 * (r * tl.load(s_ptr + 4).to(tl.float32)),
+        acc5 * (r * tl.load(s_ptr + 5).to(tl.float32)),
+        acc6 * (r * tl.load(s_ptr + 6).to(tl.float32)),
+        acc7 * (r * tl.load(s_ptr + 7).to(tl.float32)),
+    )
 
 
 @triton.jit
@@ -296,3 +314,128 @@ def _store_blocks3d(ptrs, v0, v1, v2, v3, v4, v5, v6, v7, qz, qy, qx, ok, D, H, 
     _store_blocks2d(p0, v0, v1, v2, v3, qy, qx, ok0, H, W)
     p1, ok1 = _slice3d(ptrs, 2 * qz + 1, ok, D, H * W)
     _store_blocks2d(p1, v4, v5, v6, v7, qy, qx, ok1, H, W)
+
+
+# Weight gradients: one launch for all levels. Level j's (batch item, position) pairs of a channel are cut into
+# cdiv(B * Q_j, SPAN) shares of SPAN consecutive pairs; every (level, share, channel[, z tap]) is one program, which
+# writes one row of partial sums; a second kernel adds the rows up. 2D grids are 3D grids of depth 1.
+
+
+@triton.jit
+def _level_shares(j, B, D, H, W, SPAN):
+    """Partial-sum rows (shares of SPAN positions) of level j: its grid is every axis halved j times, rounding up."""
+    q = ((D + (1 << j) - 1) >> j) * ((H + (1 << j) - 1) >> j) * ((W + (1 << j) - 1) >> j)
+    return tl.cdiv(B * q, SPAN)
+
+
+@triton.jit
+def _wgrad_plan(pid, B, C, PROGRAMS_PER_SHARE, D, H, W, SPAN, LEVELS: tl.constexpr):
+    """This weight-gradient program's level j (1-based), its index among that level's programs, its partial-sum row
+    before the share is added, the offset of the level's input in the low-pass buffers (level j >= 2 reads the
+    low-pass of level j - 1; levels 1..L-1 lie one after the other, B x C planes each), the level's input size
+    (D, H, W) and the number of partial-sum rows of all levels."""
+    start = 0
+    rows = 0
+    offset = tl.cast(0, tl.int64)
+    level = 0
+    local = 0
+    row0 = 0
+    low_offset = tl.cast(0, tl.int64)
+    d_in = D
+    h_in = H
+    w_in = W
+    d_prev = D
+    h_prev = H
+    w_prev = W
+    for j in tl.static_range(1, LEVELS + 1):
+        shares = _level_shares(j, B, D, H, W, SPAN)
+        n = PROGRAMS_PER_SHARE * shares
+        hit = (pid >= start) & (pid < start + n)
+        level = tl.where(hit, j, level)
+        local = tl.where(hit, pid - start, local)
+        row0 = tl.where(hit, rows, row0)
+        low_offset = tl.where(hit, offset, low_offset)
+        d_in = tl.where(hit, d_prev, d_in)
+        h_in = tl.where(hit, h_prev, h_in)
+        w_in = tl.where(hit, w_prev, w_in)
+        start += n
+        rows += shares
+        if j >= 2:
+            offset += tl.cast(B * C, tl.int64) * d_prev * h_prev * w_prev
+        d_prev = (D + (1 << j) - 1) >> j
+        h_prev = (H + (1 << j) - 1) >> j
+        w_prev = (W + (1 << j) - 1) >> j
+    return level, local, row0, low_offset, d_in, h_in, w_in, rows
+
+
+@triton.jit
+def _wgrad_finalize_kernel(
+    # pointers: partial sums [rows, C, NB, KT] of every level, then the base's [S_1, C, KT] and the bias's [S_1, C];
+    # the level weights stacked [L, C, NB, KT] and scales [L, C, NB]; base weights [C, KT], scale [C], bias [C];
+    # output, float32: dW [L, C, NB, KT], dS [L, C, NB], dWb [C, KT], dSb [C], dbias [C], one after the other
+    part_ptr,
+    w_ptr,
+    s_ptr,
+    wb_ptr,
+    sb_ptr,
+    bias_ptr,
+    out_ptr,
+    # sizes (2D: D = 1)
+    B,
+    C,
+    D,
+    H,
+    W,
+    SPAN,
+    LEVELS: tl.constexpr,
+    NB: tl.constexpr,
+    KT: tl.constexpr,
+    TAPS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """Parameter gradients from the partial sums, for channel ``program_id(0)`` and level ``program_id(1) + 1`` (the
+    base conv when ``program_id(1)`` is LEVELS). The partial sums G are products of unnormalised sub-bands, so a
+    level's effective weight r * s * w (r = 2**(-ndim/2), r**2 = 1 / NB) has the gradient G / NB:
+    ``dw = s * G / NB``, ``ds = sum_t w * G / NB``; the base: ``dwb = sb * Gb``, ``dsb = sum_t wb * Gb + bias * Gbias``,
+    ``dbias = sb * Gbias``."""
+    c = tl.program_id(0)
+    j = tl.program_id(1)
+    t = tl.arange(0, TAPS)
+    t_ok = t < KT
+    rows = 0
+    row0 = 0
+    count = 0
+    for i in tl.static_range(1, LEVELS + 1):
+        shares = _level_shares(i, B, D, H, W, SPAN)
+        rows += shares
+        row0 += tl.where(i <= j, shares, 0)
+        count = tl.where(i == j + 1, shares, count)
+    if j < LEVELS:
+        b = tl.arange(0, NB)[:, None]
+        acc = tl.zeros([NB, TAPS], tl.float32)
+        for row in range(row0, row0 + count):
+            acc += tl.load(part_ptr + ((row * C + c) * NB + b) * KT + t[None, :], mask=t_ok[None, :], other=0.0)
+        wc = (j * C + c) * NB
+        w = tl.load(w_ptr + (wc + b) * KT + t[None, :], mask=t_ok[None, :], other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + wc + b).to(tl.float32)
+        g = acc * (1.0 / NB)
+        tl.store(out_ptr + (wc + b) * KT + t[None, :], s * g, mask=t_ok[None, :])
+        tl.store(out_ptr + LEVELS * C * NB * KT + wc + tl.arange(0, NB), tl.sum(w * g, axis=1))
+    else:
+        shares1 = _level_shares(1, B, D, H, W, SPAN)
+        base = part_ptr + rows * C * NB * KT
+        acc_b = tl.zeros([TAPS], tl.float32)
+        acc_bias = tl.zeros([1], tl.float32)
+        for row in range(0, shares1):
+            acc_b += tl.load(base + (row * C + c) * KT + t, mask=t_ok, other=0.0)
+            acc_bias += tl.load(base + shares1 * C * KT + row * C + c + tl.zeros([1], tl.int32))
+        sb = tl.load(sb_ptr + c).to(tl.float32)
+        wb = tl.load(wb_ptr + c * KT + t, mask=t_ok, other=0.0).to(tl.float32)
+        ds = tl.sum(wb * acc_b, axis=0) + tl.zeros([1], tl.float32)
+        if HAS_BIAS:
+            ds += tl.load(bias_ptr + c).to(tl.float32) * acc_bias
+        out = out_ptr + LEVELS * C * NB * (KT + 1)
+        one = tl.arange(0, 1)
+        tl.store(out + c * KT + t, sb * acc_b, mask=t_ok)
+        tl.store(out + C * KT + c + one, ds)
+        tl.store(out + C * KT + C + c + one, sb * acc_bias)

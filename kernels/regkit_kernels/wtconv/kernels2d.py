@@ -1,8 +1,9 @@
 """Fused WTConv kernels, 2D. See ``ops.py`` for the algorithm; the building blocks are in ``_tile.py``.
 
-Weights arrive folded: the per-channel scales multiplied in, and the Haar levels' kernels also by 1/2 (the orthonormal
-Haar factor, so that the kernels use unnormalised butterflies). Sizes are run-time arguments, so one compilation
-serves every image size; only the kernel size, the number of levels and the block size are compile-time constants.
+The kernels read the layer's parameters as they are: each convolution's result is multiplied by its per-channel
+scale (and, for the Haar levels, by the orthonormal factor 1/2, so that the butterflies stay unnormalised). Sizes are
+run-time arguments, so one compilation serves every image size; only the kernel size, the number of levels and the
+block sizes are compile-time constants.
 """
 
 import triton
@@ -17,6 +18,7 @@ from regkit_kernels.wtconv._tile import (
     _polyphase_conv2d,
     _store_blocks2d,
     _tile_coords,
+    _wgrad_plan,
 )
 
 
@@ -51,11 +53,12 @@ def _haar_lowpass2d_kernel(
 
 @triton.jit
 def _wtconv2d_level_fwd_kernel(
-    # pointers: the previous level's raw low-pass [B, C, H, W]; weights [C, 4, K*K]; outputs: the processed sub-bands
-    # Z [B, C, 4, Hq, Wq] and this level's raw low-pass [B, C, Hq, Wq] (the positions q < low_size: all, or none at
-    # the deepest level)
+    # pointers: the previous level's raw low-pass [B, C, H, W]; weights [C, 4, K*K] and scales [C, 4]; outputs: the
+    # processed sub-bands Z [B, C, 4, Hq, Wq] and this level's raw low-pass [B, C, Hq, Wq] (the positions
+    # q < low_size: all, or none at the deepest level)
     src_ptr,
     w_ptr,
+    s_ptr,
     z_ptr,
     low_ptr,
     # sizes
@@ -76,18 +79,20 @@ def _wtconv2d_level_fwd_kernel(
     src = src_ptr + plane * H * W
     ll, _, _, _ = _haar_block2d(src, 2 * qy, 2 * qx, ok, H, W)
     tl.store(low_ptr + plane * Hq * Wq + q, 0.5 * ll, mask=ok & (q < low_size))
-    z0, z1, z2, z3 = _haar_conv2d(src, w_ptr + c * 4 * K * K, qy, qx, ok, H, W, K, 1)
+    z0, z1, z2, z3 = _haar_conv2d(src, w_ptr + c * 4 * K * K, s_ptr + c * 4, qy, qx, ok, H, W, K, 1)
     _store_bands2d(z_ptr + plane * 4 * Hq * Wq + q, Hq * Wq, z0, z1, z2, z3, ok)
 
 
 @triton.jit
 def _wtconv2d_fwd_kernel(
-    # pointers: x and out [B, C, H, W]; base weights [C, K*K] and bias [C]; level-1 weights [C, 4, K*K];
-    # the processed sub-bands of levels 2..LEVELS, one after the other
+    # pointers: x and out [B, C, H, W]; base weights [C, K*K], bias [C] and scale [C]; level-1 weights [C, 4, K*K]
+    # and scales [C, 4]; the processed sub-bands of levels 2..LEVELS, one after the other
     x_ptr,
     wb_ptr,
     bias_ptr,
+    sb_ptr,
     w1_ptr,
+    s1_ptr,
     coarse_ptr,
     out_ptr,
     # sizes; (H1, W1) is the level-1 grid, ceil(H / 2) x ceil(W / 2)
@@ -99,6 +104,7 @@ def _wtconv2d_fwd_kernel(
     W1,
     LEVELS: tl.constexpr,
     K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """The output, one 2 x 2 block per level-1 position q: base conv + bias + synthesis of level 1 (computed here from
@@ -107,26 +113,28 @@ def _wtconv2d_fwd_kernel(
     qy = q // W1
     qx = q % W1
     xs = x_ptr + plane * H * W
-    z0, z1, z2, z3 = _haar_conv2d(xs, w1_ptr + c * 4 * K * K, qy, qx, ok, H, W, K, 1)
+    z0, z1, z2, z3 = _haar_conv2d(xs, w1_ptr + c * 4 * K * K, s1_ptr + c * 4, qy, qx, ok, H, W, K, 1)
     z0 += _coarse_synthesis2d(coarse_ptr, plane, qy, qx, ok, B * C, H, W, LEVELS)
     r00, r01, r10, r11 = _butterfly2d(z0, z1, z2, z3)
     a00, a01, a10, a11 = _polyphase_conv2d(xs, wb_ptr + c * K * K, qy, qx, ok, H, W, K, 1)
-    bias = tl.load(bias_ptr + c)
+    sb = tl.load(sb_ptr + c).to(tl.float32)
+    bias = tl.load(bias_ptr + c).to(tl.float32) if HAS_BIAS else 0.0
     out = out_ptr + plane * H * W
-    r00 = a00 + bias + 0.5 * r00
-    r01 = a01 + bias + 0.5 * r01
-    r10 = a10 + bias + 0.5 * r10
-    r11 = a11 + bias + 0.5 * r11
+    r00 = sb * (a00 + bias) + 0.5 * r00
+    r01 = sb * (a01 + bias) + 0.5 * r01
+    r10 = sb * (a10 + bias) + 0.5 * r10
+    r11 = sb * (a11 + bias) + 0.5 * r11
     _store_blocks2d(out, r00, r01, r10, r11, qy, qx, ok, H, W)
 
 
 @triton.jit
 def _wtconv2d_level_bwd_kernel(
-    # pointers: the output gradient's low-pass at the level's input [B, C, H, W]; weights [C, 4, K*K]; outputs: the
-    # gradient of the level's sub-bands [B, C, 4, Hq, Wq] and the output gradient's next low-pass [B, C, Hq, Wq]
-    # (q < low_size, as in the forward)
+    # pointers: the output gradient's low-pass at the level's input [B, C, H, W]; weights [C, 4, K*K] and scales
+    # [C, 4]; outputs: the gradient of the level's sub-bands [B, C, 4, Hq, Wq] and the output gradient's next
+    # low-pass [B, C, Hq, Wq] (q < low_size, as in the forward)
     dsrc_ptr,
     w_ptr,
+    s_ptr,
     dz_ptr,
     dlow_ptr,
     # sizes
@@ -149,17 +157,19 @@ def _wtconv2d_level_bwd_kernel(
     dsrc = dsrc_ptr + plane * H * W
     ll, _, _, _ = _haar_block2d(dsrc, 2 * qy, 2 * qx, ok, H, W)
     tl.store(dlow_ptr + plane * Hq * Wq + q, 0.5 * ll, mask=ok & (q < low_size))
-    e0, e1, e2, e3 = _haar_conv2d(dsrc, w_ptr + c * 4 * K * K, qy, qx, ok, H, W, K, -1)
+    e0, e1, e2, e3 = _haar_conv2d(dsrc, w_ptr + c * 4 * K * K, s_ptr + c * 4, qy, qx, ok, H, W, K, -1)
     _store_bands2d(dz_ptr + plane * 4 * Hq * Wq + q, Hq * Wq, e0, e1, e2, e3, ok)
 
 
 @triton.jit
 def _wtconv2d_bwd_kernel(
-    # pointers: output gradient, x and input gradient [B, C, H, W]; base weights [C, K*K]; level-1 weights
-    # [C, 4, K*K]; the sub-band gradients of levels 2..LEVELS one after the other
+    # pointers: output gradient and input gradient [B, C, H, W]; base weights [C, K*K] and scale [C]; level-1
+    # weights [C, 4, K*K] and scales [C, 4]; the sub-band gradients of levels 2..LEVELS one after the other
     dy_ptr,
     wb_ptr,
+    sb_ptr,
     w1_ptr,
+    s1_ptr,
     coarse_ptr,
     dx_ptr,
     # sizes
@@ -179,47 +189,30 @@ def _wtconv2d_bwd_kernel(
     qy = q // W1
     qx = q % W1
     dys = dy_ptr + plane * H * W
-    e0, e1, e2, e3 = _haar_conv2d(dys, w1_ptr + c * 4 * K * K, qy, qx, ok, H, W, K, -1)
+    e0, e1, e2, e3 = _haar_conv2d(dys, w1_ptr + c * 4 * K * K, s1_ptr + c * 4, qy, qx, ok, H, W, K, -1)
     e0 += _coarse_synthesis2d(coarse_ptr, plane, qy, qx, ok, B * C, H, W, LEVELS)
     r00, r01, r10, r11 = _butterfly2d(e0, e1, e2, e3)
     a00, a01, a10, a11 = _polyphase_conv2d(dys, wb_ptr + c * K * K, qy, qx, ok, H, W, K, -1)
+    sb = tl.load(sb_ptr + c).to(tl.float32)
     dx = dx_ptr + plane * H * W
-    _store_blocks2d(dx, a00 + 0.5 * r00, a01 + 0.5 * r01, a10 + 0.5 * r10, a11 + 0.5 * r11, qy, qx, ok, H, W)
+    _store_blocks2d(
+        dx, sb * a00 + 0.5 * r00, sb * a01 + 0.5 * r01, sb * a10 + 0.5 * r10, sb * a11 + 0.5 * r11, qy, qx, ok, H, W
+    )
 
 
 @triton.jit
-def _wtconv2d_wgrad_kernel(
-    # pointers: at one level's input, the output gradient's low-pass (dy itself for level 1) and the raw low-pass
-    # (x for level 1) [B, C, H, W]; outputs, partial sums over this program's share of the positions: the level's
-    # weight gradient [SPLIT, C, 4, K*K] and, with BASE, the base weights' [SPLIT, C, K*K] and the bias's [SPLIT, C]
-    g_ptr,
-    src_ptr,
-    dw_ptr,
-    dwb_ptr,
-    dbias_ptr,
-    # sizes
-    B,
-    C,
-    H,
-    W,
-    Hq,
-    Wq,
-    K: tl.constexpr,
-    BASE: tl.constexpr,
-    TAPS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Weight gradients of one level (and, with BASE, of the base conv and bias) for one channel and one share of its
-    (batch item, position) pairs: tile [TAPS, BLOCK] = every tap x BLOCK positions, products accumulated in registers
-    over the whole share and summed once, so there are neither atomics nor per-tile reductions.
+def _wgrad2d_level(
+    g_ptr, src_ptr, part_ptr, c, share, row, C, B, H, W, Hq, Wq, base_off, SPAN,
+    K: tl.constexpr, BASE: tl.constexpr, TAPS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One level's weight-gradient sums over one share (SPAN consecutive (batch item, position) pairs) of channel c:
+    tile [TAPS, BLOCK] = every tap x BLOCK positions, products accumulated in registers and summed once.
 
-    ``dw[b, t] = sum_q dZ_b(q) Y_b(q + u_t)`` with dZ and Y the unnormalised sub-bands of g and src (the caller applies
-    the two orthonormal factors); ``dwb[t] = sum_y g(y) src(y + u_t)``; ``dbias = sum_y g(y)``."""
+    ``G[b, t] = sum_q dZ_b(q) Y_b(q + u_t)`` with dZ and Y the unnormalised sub-bands of g and src, into partial row
+    ``row``; with BASE (level 1, src = x, g = dy) also ``Gb[t] = sum_y g(y) src(y + u_t)`` and ``sum_y g(y)`` into the
+    base rows (at ``base_off``)."""
     P: tl.constexpr = K // 2
     KK: tl.constexpr = K * K
-    c = tl.program_id(0) % C
-    share = tl.program_id(0) // C
-    shares = tl.num_programs(0) // C
     t = tl.arange(0, TAPS)
     uy = (t // K - P)[:, None]
     ux = (t % K - P)[:, None]
@@ -231,9 +224,10 @@ def _wtconv2d_wgrad_kernel(
     acc_base = tl.zeros([TAPS, BLOCK], tl.float32)
     acc_bias = tl.zeros([1, BLOCK], tl.float32)
     Q = Hq * Wq
-    for start in range(share * BLOCK, B * Q, shares * BLOCK):
+    end = tl.minimum(share * SPAN + SPAN, B * Q)
+    for start in range(share * SPAN, end, BLOCK):
         n = start + tl.arange(0, BLOCK)[None, :]
-        ok = n < B * Q
+        ok = n < end
         q = n % Q
         qy = q // Wq
         qx = q % Wq
@@ -250,12 +244,52 @@ def _wtconv2d_wgrad_kernel(
             a, b, cc, d = _block2d(src, 2 * qy + uy, 2 * qx + ux, ok & tap_ok, H, W)
             acc_base += g00 * a + g01 * b + g10 * cc + g11 * d
             acc_bias += g00 + g01 + g10 + g11
-    out = share * C + c
     t_ok = t < KK
-    tl.store(dw_ptr + out * 4 * KK + t, tl.sum(acc0, axis=1), mask=t_ok)
-    tl.store(dw_ptr + out * 4 * KK + KK + t, tl.sum(acc1, axis=1), mask=t_ok)
-    tl.store(dw_ptr + out * 4 * KK + 2 * KK + t, tl.sum(acc2, axis=1), mask=t_ok)
-    tl.store(dw_ptr + out * 4 * KK + 3 * KK + t, tl.sum(acc3, axis=1), mask=t_ok)
+    out = part_ptr + (row * C + c) * 4 * KK + t
+    tl.store(out, tl.sum(acc0, axis=1), mask=t_ok)
+    tl.store(out + KK, tl.sum(acc1, axis=1), mask=t_ok)
+    tl.store(out + 2 * KK, tl.sum(acc2, axis=1), mask=t_ok)
+    tl.store(out + 3 * KK, tl.sum(acc3, axis=1), mask=t_ok)
     if BASE:
-        tl.store(dwb_ptr + out * KK + t, tl.sum(acc_base, axis=1), mask=t_ok)
-        tl.store(dbias_ptr + out, tl.sum(tl.sum(acc_bias, axis=1), axis=0))
+        shares1 = tl.cdiv(B * Q, SPAN)
+        tl.store(part_ptr + base_off + (share * C + c) * KK + t, tl.sum(acc_base, axis=1), mask=t_ok)
+        bias_sum = tl.sum(acc_bias, axis=1)  # [1]
+        tl.store(part_ptr + base_off + shares1 * C * KK + share * C + c + tl.arange(0, 1), bias_sum)
+
+
+@triton.jit
+def _wtconv2d_wgrad_kernel(
+    # pointers: the output gradient dy and x [B, C, H, W]; the low-passes of levels 1..L-1 of dy and of x, one after
+    # the other; output: partial sums (see ``_wgrad_finalize_kernel``)
+    dy_ptr,
+    x_ptr,
+    glow_ptr,
+    low_ptr,
+    part_ptr,
+    # sizes
+    B,
+    C,
+    H,
+    W,
+    SPAN,
+    LEVELS: tl.constexpr,
+    K: tl.constexpr,
+    TAPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Weight gradients of every level (and of the base conv and bias) in one launch: program = (level, share,
+    channel), see ``_wgrad_plan``. Level 1 reads dy and x, deeper levels the low-pass buffers."""
+    level, local, row0, off, _, h_in, w_in, rows = _wgrad_plan(tl.program_id(0), B, C, C, 1, H, W, SPAN, LEVELS)
+    c = local % C
+    share = local // C
+    base_off = rows * C * 4 * K * K
+    if level == 1:
+        _wgrad2d_level(
+            dy_ptr, x_ptr, part_ptr, c, share, row0 + share, C, B, H, W, (H + 1) // 2, (W + 1) // 2, base_off, SPAN,
+            K, True, TAPS, BLOCK,
+        )  # fmt: skip
+    else:
+        _wgrad2d_level(
+            glow_ptr + off, low_ptr + off, part_ptr, c, share, row0 + share, C, B, h_in, w_in, (h_in + 1) // 2,
+            (w_in + 1) // 2, base_off, SPAN, K, False, TAPS, BLOCK,
+        )  # fmt: skip

@@ -1,7 +1,8 @@
 """Fused WTConv kernels, 3D: the 2D kernels (``kernels2d.py``) with eight sub-bands and 2 x 2 x 2 blocks.
 
-Weights arrive folded (scales multiplied in; the Haar levels' kernels also by 2**(-3/2)). Sizes are run-time
-arguments; the z taps are a loop rather than unrolled, which keeps compile time low for k = 7.
+The parameters are read as they are (each convolution's result times its scales; the Haar levels' also times
+2**(-3/2)). Sizes are run-time arguments; the z taps are a loop rather than unrolled, which keeps compile time low for
+k = 7.
 """
 
 import triton
@@ -17,6 +18,7 @@ from regkit_kernels.wtconv._tile import (
     _slice3d,
     _store_blocks3d,
     _tile_coords,
+    _wgrad_plan,
 )
 
 _R3: tl.constexpr = tl.constexpr(0.35355339059327373)  # 2**(-3/2), the orthonormal 3D Haar factor
@@ -65,10 +67,12 @@ def _haar_lowpass3d_kernel(
 
 @triton.jit
 def _wtconv3d_level_fwd_kernel(
-    # pointers: the previous level's raw low-pass [B, C, D, H, W]; weights [C, 8, K**3]; outputs: the processed
-    # sub-bands Z [B, C, 8, Dq, Hq, Wq] and this level's raw low-pass [B, C, Dq, Hq, Wq] (q < low_size: all or none)
+    # pointers: the previous level's raw low-pass [B, C, D, H, W]; weights [C, 8, K**3] and scales [C, 8]; outputs:
+    # the processed sub-bands Z [B, C, 8, Dq, Hq, Wq] and this level's raw low-pass [B, C, Dq, Hq, Wq]
+    # (q < low_size: all or none)
     src_ptr,
     w_ptr,
+    s_ptr,
     z_ptr,
     low_ptr,
     # sizes
@@ -91,18 +95,22 @@ def _wtconv3d_level_fwd_kernel(
     src = src_ptr + plane * D * H * W
     ll, _, _, _, _, _, _, _ = _haar_block3d(src, 2 * qz, 2 * qy, 2 * qx, ok, D, H, W)
     tl.store(low_ptr + plane * size + q, ll * _R3, mask=ok & (q < low_size))
-    z0, z1, z2, z3, z4, z5, z6, z7 = _haar_conv3d(src, w_ptr + c * 8 * K * K * K, qz, qy, qx, ok, D, H, W, K, 1)
+    z0, z1, z2, z3, z4, z5, z6, z7 = _haar_conv3d(
+        src, w_ptr + c * 8 * K * K * K, s_ptr + c * 8, qz, qy, qx, ok, D, H, W, K, 1
+    )
     _store_bands3d(z_ptr + plane * 8 * size + q, size, z0, z1, z2, z3, z4, z5, z6, z7, ok)
 
 
 @triton.jit
 def _wtconv3d_fwd_kernel(
-    # pointers: x and out [B, C, D, H, W]; base weights [C, K**3] and bias [C]; level-1 weights [C, 8, K**3];
-    # the processed sub-bands of levels 2..LEVELS, one after the other
+    # pointers: x and out [B, C, D, H, W]; base weights [C, K**3], bias [C] and scale [C]; level-1 weights
+    # [C, 8, K**3] and scales [C, 8]; the processed sub-bands of levels 2..LEVELS, one after the other
     x_ptr,
     wb_ptr,
     bias_ptr,
+    sb_ptr,
     w1_ptr,
+    s1_ptr,
     coarse_ptr,
     out_ptr,
     # sizes; (D1, H1, W1) is the level-1 grid
@@ -116,27 +124,31 @@ def _wtconv3d_fwd_kernel(
     W1,
     LEVELS: tl.constexpr,
     K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """The output, one 2 x 2 x 2 block per level-1 position (see the 2D kernel)."""
     c, plane, q, ok = _tile_coords(B, C, D1 * H1 * W1, BLOCK)
     qz, qy, qx = _grid_coords3d(q, H1, W1)
     xs = x_ptr + plane * D * H * W
-    z0, z1, z2, z3, z4, z5, z6, z7 = _haar_conv3d(xs, w1_ptr + c * 8 * K * K * K, qz, qy, qx, ok, D, H, W, K, 1)
+    z0, z1, z2, z3, z4, z5, z6, z7 = _haar_conv3d(
+        xs, w1_ptr + c * 8 * K * K * K, s1_ptr + c * 8, qz, qy, qx, ok, D, H, W, K, 1
+    )
     z0 += _coarse_synthesis3d(coarse_ptr, plane, qz, qy, qx, ok, B * C, D, H, W, LEVELS)
     r0, r1, r2, r3, r4, r5, r6, r7 = _butterfly3d(z0, z1, z2, z3, z4, z5, z6, z7)
     a0, a1, a2, a3, a4, a5, a6, a7 = _polyphase_conv3d(xs, wb_ptr + c * K * K * K, qz, qy, qx, ok, D, H, W, K, 1)
-    bias = tl.load(bias_ptr + c)
+    sb = tl.load(sb_ptr + c).to(tl.float32)
+    bias = tl.load(bias_ptr + c).to(tl.float32) if HAS_BIAS else 0.0
     _store_blocks3d(
         out_ptr + plane * D * H * W,
-        a0 + bias + r0 * _R3,
-        a1 + bias + r1 * _R3,
-        a2 + bias + r2 * _R3,
-        a3 + bias + r3 * _R3,
-        a4 + bias + r4 * _R3,
-        a5 + bias + r5 * _R3,
-        a6 + bias + r6 * _R3,
-        a7 + bias + r7 * _R3,
+        sb * (a0 + bias) + r0 * _R3,
+        sb * (a1 + bias) + r1 * _R3,
+        sb * (a2 + bias) + r2 * _R3,
+        sb * (a3 + bias) + r3 * _R3,
+        sb * (a4 + bias) + r4 * _R3,
+        sb * (a5 + bias) + r5 * _R3,
+        sb * (a6 + bias) + r6 * _R3,
+        sb * (a7 + bias) + r7 * _R3,
         qz,
         qy,
         qx,
@@ -149,11 +161,12 @@ def _wtconv3d_fwd_kernel(
 
 @triton.jit
 def _wtconv3d_level_bwd_kernel(
-    # pointers: the output gradient's low-pass at the level's input [B, C, D, H, W]; weights [C, 8, K**3]; outputs:
-    # the level's sub-band gradient [B, C, 8, Dq, Hq, Wq] and the output gradient's next low-pass [B, C, Dq, Hq, Wq]
-    # (q < low_size: all or none)
+    # pointers: the output gradient's low-pass at the level's input [B, C, D, H, W]; weights [C, 8, K**3] and
+    # scales [C, 8]; outputs: the level's sub-band gradient [B, C, 8, Dq, Hq, Wq] and the output gradient's next
+    # low-pass [B, C, Dq, Hq, Wq] (q < low_size: all or none)
     dsrc_ptr,
     w_ptr,
+    s_ptr,
     dz_ptr,
     dlow_ptr,
     # sizes
@@ -176,17 +189,21 @@ def _wtconv3d_level_bwd_kernel(
     dsrc = dsrc_ptr + plane * D * H * W
     ll, _, _, _, _, _, _, _ = _haar_block3d(dsrc, 2 * qz, 2 * qy, 2 * qx, ok, D, H, W)
     tl.store(dlow_ptr + plane * size + q, ll * _R3, mask=ok & (q < low_size))
-    e0, e1, e2, e3, e4, e5, e6, e7 = _haar_conv3d(dsrc, w_ptr + c * 8 * K * K * K, qz, qy, qx, ok, D, H, W, K, -1)
+    e0, e1, e2, e3, e4, e5, e6, e7 = _haar_conv3d(
+        dsrc, w_ptr + c * 8 * K * K * K, s_ptr + c * 8, qz, qy, qx, ok, D, H, W, K, -1
+    )
     _store_bands3d(dz_ptr + plane * 8 * size + q, size, e0, e1, e2, e3, e4, e5, e6, e7, ok)
 
 
 @triton.jit
 def _wtconv3d_bwd_kernel(
-    # pointers: output gradient and input gradient [B, C, D, H, W]; base weights [C, K**3]; level-1 weights
-    # [C, 8, K**3]; the sub-band gradients of levels 2..LEVELS one after the other
+    # pointers: output gradient and input gradient [B, C, D, H, W]; base weights [C, K**3] and scale [C]; level-1
+    # weights [C, 8, K**3] and scales [C, 8]; the sub-band gradients of levels 2..LEVELS one after the other
     dy_ptr,
     wb_ptr,
+    sb_ptr,
     w1_ptr,
+    s1_ptr,
     coarse_ptr,
     dx_ptr,
     # sizes
@@ -206,20 +223,23 @@ def _wtconv3d_bwd_kernel(
     c, plane, q, ok = _tile_coords(B, C, D1 * H1 * W1, BLOCK)
     qz, qy, qx = _grid_coords3d(q, H1, W1)
     dys = dy_ptr + plane * D * H * W
-    e0, e1, e2, e3, e4, e5, e6, e7 = _haar_conv3d(dys, w1_ptr + c * 8 * K * K * K, qz, qy, qx, ok, D, H, W, K, -1)
+    e0, e1, e2, e3, e4, e5, e6, e7 = _haar_conv3d(
+        dys, w1_ptr + c * 8 * K * K * K, s1_ptr + c * 8, qz, qy, qx, ok, D, H, W, K, -1
+    )
     e0 += _coarse_synthesis3d(coarse_ptr, plane, qz, qy, qx, ok, B * C, D, H, W, LEVELS)
     r0, r1, r2, r3, r4, r5, r6, r7 = _butterfly3d(e0, e1, e2, e3, e4, e5, e6, e7)
     a0, a1, a2, a3, a4, a5, a6, a7 = _polyphase_conv3d(dys, wb_ptr + c * K * K * K, qz, qy, qx, ok, D, H, W, K, -1)
+    sb = tl.load(sb_ptr + c).to(tl.float32)
     _store_blocks3d(
         dx_ptr + plane * D * H * W,
-        a0 + r0 * _R3,
-        a1 + r1 * _R3,
-        a2 + r2 * _R3,
-        a3 + r3 * _R3,
-        a4 + r4 * _R3,
-        a5 + r5 * _R3,
-        a6 + r6 * _R3,
-        a7 + r7 * _R3,
+        sb * a0 + r0 * _R3,
+        sb * a1 + r1 * _R3,
+        sb * a2 + r2 * _R3,
+        sb * a3 + r3 * _R3,
+        sb * a4 + r4 * _R3,
+        sb * a5 + r5 * _R3,
+        sb * a6 + r6 * _R3,
+        sb * a7 + r7 * _R3,
         qz,
         qy,
         qx,
@@ -231,38 +251,15 @@ def _wtconv3d_bwd_kernel(
 
 
 @triton.jit
-def _wtconv3d_wgrad_kernel(
-    # pointers: at one level's input, the output gradient's low-pass (dy for level 1) and the raw low-pass (x for
-    # level 1) [B, C, D, H, W]; outputs, partial sums over this program's share of the positions: the level's weight
-    # gradient [SPLIT, C, 8, K**3] and, with BASE, the base weights' [SPLIT, C, K**3] and the bias's [SPLIT, C]
-    g_ptr,
-    src_ptr,
-    dw_ptr,
-    dwb_ptr,
-    dbias_ptr,
-    # sizes
-    B,
-    C,
-    D,
-    H,
-    W,
-    Dq,
-    Hq,
-    Wq,
-    K: tl.constexpr,
-    BASE: tl.constexpr,
-    TAPS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Weight gradients for one channel, one z tap and one share of the positions; see the 2D kernel (the tile's tap
-    axis holds the K x K in-plane taps, the z taps are programs)."""
+def _wgrad3d_level(
+    g_ptr, src_ptr, part_ptr, c, tz, share, row, C, B, D, H, W, Dq, Hq, Wq, base_off, SPAN,
+    K: tl.constexpr, BASE: tl.constexpr, TAPS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One level's weight-gradient sums for one z tap and one share of channel c; see ``_wgrad2d_level`` (the tile's
+    tap axis holds the K x K in-plane taps of z tap ``tz``)."""
     P: tl.constexpr = K // 2
     KK: tl.constexpr = K * K
     KKK: tl.constexpr = K * K * K
-    tz = tl.program_id(0) % K
-    c = tl.program_id(0) // K % C
-    share = tl.program_id(0) // (K * C)
-    shares = tl.num_programs(0) // (K * C)
     t = tl.arange(0, TAPS)
     uy = (t // K - P)[:, None]
     ux = (t % K - P)[:, None]
@@ -278,9 +275,10 @@ def _wtconv3d_wgrad_kernel(
     acc_base = tl.zeros([TAPS, BLOCK], tl.float32)
     acc_bias = tl.zeros([1, BLOCK], tl.float32)
     Q = Dq * Hq * Wq
-    for start in range(share * BLOCK, B * Q, shares * BLOCK):
+    end = tl.minimum(share * SPAN + SPAN, B * Q)
+    for start in range(share * SPAN, end, BLOCK):
         n = start + tl.arange(0, BLOCK)[None, :]
-        ok = n < B * Q
+        ok = n < end
         qz, qy, qx = _grid_coords3d(n % Q, Hq, Wq)
         plane = (n // Q * C + c).to(tl.int64) * D * H * W
         gs = g_ptr + plane
@@ -308,9 +306,8 @@ def _wtconv3d_wgrad_kernel(
             a4, a5, a6, a7 = _block2d(s1, 2 * qy + uy, 2 * qx + ux, oks1, H, W)
             acc_base += g0 * a0 + g1 * a1 + g2 * a2 + g3 * a3 + g4 * a4 + g5 * a5 + g6 * a6 + g7 * a7
             acc_bias += g0 + g1 + g2 + g3 + g4 + g5 + g6 + g7
-    out = share * C + c
     t_ok = t < KK
-    dw = dw_ptr + out * 8 * KKK + tz * KK + t
+    dw = part_ptr + (row * C + c) * 8 * KKK + tz * KK + t
     tl.store(dw, tl.sum(acc0, axis=1), mask=t_ok)
     tl.store(dw + KKK, tl.sum(acc1, axis=1), mask=t_ok)
     tl.store(dw + 2 * KKK, tl.sum(acc2, axis=1), mask=t_ok)
@@ -320,5 +317,48 @@ def _wtconv3d_wgrad_kernel(
     tl.store(dw + 6 * KKK, tl.sum(acc6, axis=1), mask=t_ok)
     tl.store(dw + 7 * KKK, tl.sum(acc7, axis=1), mask=t_ok)
     if BASE:
-        tl.store(dwb_ptr + out * KKK + tz * KK + t, tl.sum(acc_base, axis=1), mask=t_ok)
-        tl.store(dbias_ptr + out, tl.sum(tl.sum(acc_bias, axis=1), axis=0), mask=tz == 0)
+        shares1 = tl.cdiv(B * Q, SPAN)
+        tl.store(part_ptr + base_off + (share * C + c) * KKK + tz * KK + t, tl.sum(acc_base, axis=1), mask=t_ok)
+        bias_sum = tl.sum(acc_bias, axis=1)  # [1]
+        one = tl.arange(0, 1)
+        tl.store(part_ptr + base_off + shares1 * C * KKK + share * C + c + one, bias_sum, mask=(one + tz) == 0)
+
+
+@triton.jit
+def _wtconv3d_wgrad_kernel(
+    # pointers: the output gradient dy and x [B, C, D, H, W]; the low-passes of levels 1..L-1 of dy and of x, one
+    # after the other; output: partial sums (see ``_wgrad_finalize_kernel``)
+    dy_ptr,
+    x_ptr,
+    glow_ptr,
+    low_ptr,
+    part_ptr,
+    # sizes
+    B,
+    C,
+    D,
+    H,
+    W,
+    SPAN,
+    LEVELS: tl.constexpr,
+    K: tl.constexpr,
+    TAPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Weight gradients of every level (and of the base conv and bias) in one launch: program = (level, share, z tap,
+    channel), see ``_wgrad_plan``; level 1 reads dy and x, deeper levels the low-pass buffers."""
+    level, local, row0, off, d_in, h_in, w_in, rows = _wgrad_plan(tl.program_id(0), B, C, C * K, D, H, W, SPAN, LEVELS)
+    c = local % C
+    tz = local // C % K
+    share = local // (C * K)
+    base_off = rows * C * 8 * K * K * K
+    if level == 1:
+        _wgrad3d_level(
+            dy_ptr, x_ptr, part_ptr, c, tz, share, row0 + share, C, B, D, H, W, (D + 1) // 2, (H + 1) // 2,
+            (W + 1) // 2, base_off, SPAN, K, True, TAPS, BLOCK,
+        )  # fmt: skip
+    else:
+        _wgrad3d_level(
+            glow_ptr + off, low_ptr + off, part_ptr, c, tz, share, row0 + share, C, B, d_in, h_in, w_in,
+            (d_in + 1) // 2, (h_in + 1) // 2, (w_in + 1) // 2, base_off, SPAN, K, False, TAPS, BLOCK,
+        )  # fmt: skip
