@@ -33,6 +33,7 @@ These coarse tensors are float32 whatever x's dtype: in bfloat16 only x, out and
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -196,13 +197,18 @@ def wtconv_fwd(
     return out, low
 
 
+@functools.cache
+def _multiprocessors(device: int | None) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _wgrad_tiling(x: Tensor, kern: _Kernels, positions: int, programs_per_share: int) -> tuple[int, int]:
     """Block (positions per step) and span ((batch item, position) pairs per program, a power-of-2 multiple of the
     block) of the weight-gradient kernel: the span gives level 1 at least ``kern.wgrad_programs`` programs per
     multiprocessor. On the CPU, one block and one program per level and channel."""
     if x.device.type != "cuda":
         return _pow2(positions), _pow2(positions)
-    wanted = kern.wgrad_programs * torch.cuda.get_device_properties(x.device).multi_processor_count
+    wanted = kern.wgrad_programs * _multiprocessors(x.device.index)
     span = positions * programs_per_share // wanted
     return kern.wgrad_block, max(kern.wgrad_block, 1 << max(span, 1).bit_length() - 1)
 
