@@ -1,17 +1,23 @@
-"""The fused CPAB path piece by piece, beside the PyTorch pieces it replaces (issue 5's notes).
+"""The fused CPAB path piece by piece (issue 5's notes): where the time of a forward + backward goes.
 
 Run from the repository root: ``PYTHONPATH=.:kernels python docs/benchmarks/cpab_pieces.py`` on a CUDA machine (times
 and accuracy), or with ``TRITON_INTERPRET=1`` on a CPU (accuracy only). Prints:
 
-* accuracy: the step matrices and their adjoint, fused kernels (float64 inside) and ``torch.linalg.matrix_exp`` /
-  its autograd in float32, each against ``matrix_exp`` in float64 (largest relative error per matrix);
-* CUDA, per case (2D 32x32 batch 16, 3D 8^3 batch 8, 3D 16^3 batch 8; 125,000 points, T = 50, checkpoints every 5
-  steps): ms of the step matrices and their adjoint (PyTorch and fused), of the forward and backward kernels, and of a
-  whole forward + backward through ``integrate`` (triton and torch backends), best of 10; peak MiB of the whole pass.
+* accuracy: the fused step matrices and their adjoint (float64 inside) and ``torch.linalg.matrix_exp`` / its autograd
+  in float32, each against ``matrix_exp`` in float64 (largest relative error per matrix);
+* CUDA: first every kernel variant used below, by the GPU tests and by ``regkit bench cpab`` is compiled, in parallel
+  processes that fill Triton's cache; then per case (2D 32x32 batch 16, 3D 8^3 batch 8, 3D 16^3 batch 8, 125,000
+  points; the 160 x 192 x 224 registration grid, 16^3; T = 50) the ms of the step matrices and their adjoint, of the
+  forward and backward kernels for several blocks / warps and checkpoint spacings and on points sorted by their
+  starting cells (how much the scattered reads of the step-matrix table cost), of a whole forward + backward
+  through ``integrate`` (peak MiB above the inputs) and of the same captured in a CUDA graph (the GPU's time without
+  the host's launch overhead), best of 10.
 """
 
+import multiprocessing
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -19,11 +25,15 @@ from regkit.cpab.basis import cpa_basis
 from regkit.cpab.integrate import _step_matrices_vjp, integrate, step_matrices
 from regkit.cpab.tessellation import Tessellation
 from regkit_kernels.cpab import cpab_bwd, cpab_fwd
+from regkit_kernels.cpab import ops as fused_ops
 from regkit_kernels.cpab import step_matrices as fused_step_matrices
 from regkit_kernels.cpab import step_matrices_vjp as fused_step_matrices_vjp
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = "cuda" if CUDA else "cpu"
+STEPS = 50
+LAUNCH = [(128, 4), (256, 4), (64, 2), (128, 2)]  # (points per program, warps): the first is the default
+REGISTRATION_GRID = (160, 192, 224)
 
 
 def accuracy() -> None:
@@ -35,21 +45,53 @@ def accuracy() -> None:
         )
         G, h = torch.randn_like(A), 0.1
         truth_E, truth_V = step_matrices(A, h), _step_matrices_vjp(A, h, G)
-        A32, G32 = A.float().to(DEVICE), G.float().to(DEVICE)
 
         def error(x: torch.Tensor, truth: torch.Tensor, n: int = n) -> float:
             x = x.cpu().double()[..., : n + 1]
             return ((x - truth).abs().amax((-1, -2)) / truth.abs().amax((-1, -2))).max().item()
 
-        fused = error(fused_step_matrices(A32, h), truth_E), error(fused_step_matrices_vjp(A32, h, G32), truth_V)
-        plain = error(step_matrices(A32, h), truth_E), error(_step_matrices_vjp(A32, h, G32), truth_V)
-        print(
-            f"{n}D float32 vs float64: E fused {fused[0]:.2e}, matrix_exp {plain[0]:.2e}; "
-            f"adjoint fused {fused[1]:.2e}, autograd {plain[1]:.2e}"
-        )
+        for dtype in (torch.float32, torch.float64):
+            A_, G_ = A.to(dtype=dtype, device=DEVICE), G.to(dtype=dtype, device=DEVICE)
+            fused = error(fused_step_matrices(A_, h), truth_E), error(fused_step_matrices_vjp(A_, h, G_), truth_V)
+            plain = error(step_matrices(A_, h), truth_E), error(_step_matrices_vjp(A_, h, G_), truth_V)
+            print(
+                f"{n}D {dtype} vs float64 matrix_exp: E fused {fused[0]:.2e}, matrix_exp {plain[0]:.2e}; "
+                f"adjoint fused {fused[1]:.2e}, autograd {plain[1]:.2e}",
+                flush=True,
+            )
 
 
-def ms(fn, reps: int = 10) -> float:
+def _compile(spec: tuple[int, bool, int, bool, int, int]) -> str:
+    """Compile one variant (run in a child process): ``(ndim, divide, checkpoint_every, point_grad, block, warps)``."""
+    ndim, divide, every, point_grad, block, warps = spec
+    fused_ops._BLOCK, fused_ops._NUM_WARPS = block, warps
+    tess = Tessellation((2,) * ndim, (-1.0,) * ndim, (2.0,) * ndim) if divide else Tessellation((2,) * ndim)
+    A = 0.1 * torch.randn(1, tess.n_cells, ndim, ndim + 1, device=DEVICE)
+    points = torch.rand(1, 64, ndim, device=DEVICE)
+    E = fused_step_matrices(A, 0.02)
+    out, checkpoints = cpab_fwd(points, E, tess, STEPS, every)
+    _, grad_E = cpab_bwd(points, checkpoints, torch.randn_like(out), E, tess, STEPS, every, True, point_grad)
+    fused_step_matrices_vjp(A, 0.02, grad_E)
+    if divide and every == 5:  # the float64 step-matrix kernels, for accuracy()
+        fused_step_matrices_vjp(A.double(), 0.02, fused_step_matrices(A.double(), 0.02))
+    if CUDA:
+        torch.cuda.synchronize()
+    return f"{spec}"
+
+
+def warm_up() -> None:
+    """Compile the variants that the tests (float32, boxes [-1, 2]: dividing; checkpoints every 5, 8, 50 steps; point
+    gradients), the bench (unit boxes; every 5 and 50 steps; no point gradients) and :func:`timings` use."""
+    specs = {(n, True, every, True, *LAUNCH[0]) for n in (2, 3) for every in (5, 8, 50)}
+    specs |= {(n, False, every, False, *LAUNCH[0]) for n in (2, 3) for every in (5, 50)}
+    specs |= {(n, False, 5, False, *launch) for n in (2, 3) for launch in LAUNCH[1:]}
+    start = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(min(len(specs), os.cpu_count() or 1)) as pool:
+        done = pool.map(_compile, sorted(specs))
+    print(f"compiled {len(done)} variants in parallel: {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def ms(fn: Callable[[], object], reps: int = 10) -> float:
     fn()
     torch.cuda.synchronize()
     best = float("inf")
@@ -62,46 +104,103 @@ def ms(fn, reps: int = 10) -> float:
     return best * 1e3
 
 
-def timings(shape: tuple[int, ...], batch: int, points: int = 125_000, K: int = 5) -> None:
+def graph_ms(fn: Callable[[], object], reps: int = 10) -> float:
+    """ms of ``fn`` replayed from a CUDA graph (the GPU's time: no host launch overhead)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return ms(graph.replay, reps)
+
+
+def timings(shape: tuple[int, ...], batch: int, points: int = 125_000) -> None:
     torch.manual_seed(0)
     tess = Tessellation(shape)
     basis = cpa_basis(tess, "zero")
     theta = (0.5 * torch.randn(batch, basis.d, device="cuda")).requires_grad_(True)
-    pts = torch.rand(batch, points, len(shape), device="cuda")
-    w = torch.randn_like(pts)
-    A, h = basis.to_A(theta).detach(), 1 / 50
+    if points:
+        pts = torch.rand(points, len(shape), device="cuda")
+        name = f"{'x'.join(map(str, shape))} batch {batch}, {points:,} points"
+    else:
+        axes = [(torch.arange(s, device="cuda") + 0.5) / s for s in REGISTRATION_GRID]
+        pts = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
+        name = f"{'x'.join(map(str, shape))} registration grid {'x'.join(map(str, REGISTRATION_GRID))}"
+    batched = pts.expand(batch, -1, -1)
+    w = torch.randn(batch, *pts.shape, device="cuda")
+    A, h = basis.to_A(theta).detach(), 1 / STEPS
     E = fused_step_matrices(A, h)
     G = torch.randn_like(E)
-    _, checkpoints = cpab_fwd(pts, E, tess, 50, K)
-    G_plain = G[..., : len(shape) + 1]  # the PyTorch adjoint takes unpadded rows
     print(
-        f"{shape} batch {batch}: step matrices torch {ms(lambda: step_matrices(A, h)):.3f} / fused "
-        f"{ms(lambda: fused_step_matrices(A, h)):.3f} ms; adjoint torch "
-        f"{ms(lambda: _step_matrices_vjp(A, h, G_plain)):.3f} / "
-        f"fused {ms(lambda: fused_step_matrices_vjp(A, h, G)):.3f} ms; forward kernel "
-        f"{ms(lambda: cpab_fwd(pts, E, tess, 50, K)):.3f} ms; backward kernel "
-        f"{ms(lambda: cpab_bwd(pts, checkpoints, w, E, tess, 50, K, True)):.3f} ms",
+        f"{name}: step matrices {ms(lambda: fused_step_matrices(A, h)):.3f} ms, their adjoint "
+        f"{ms(lambda: fused_step_matrices_vjp(A, h, G)):.3f} ms",
         flush=True,
     )
-    for backend in ("triton", "torch"):
+    for block, warps in LAUNCH:
+        fused_ops._BLOCK, fused_ops._NUM_WARPS = block, warps
+        for every in (5, STEPS) if (block, warps) == LAUNCH[0] else (5,):
+            _, checkpoints = cpab_fwd(batched, E, tess, STEPS, every)
+            fwd = ms(lambda every=every: cpab_fwd(batched, E, tess, STEPS, every))
+            bwd = ms(lambda c=checkpoints, every=every: cpab_bwd(batched, c, w, E, tess, STEPS, every, True, False))
+            print(
+                f"  block {block}, {warps} warps, checkpoints every {every}: "
+                f"forward {fwd:.3f} ms, backward {bwd:.3f} ms",
+                flush=True,
+            )
+    fused_ops._BLOCK, fused_ops._NUM_WARPS = LAUNCH[0]
+    if points:  # the same points in the order of their starting cells: neighbouring threads read neighbouring rows
+        coherent = pts[torch.argsort(tess.locate(pts))].expand(batch, -1, -1)
+        _, checkpoints = cpab_fwd(coherent, E, tess, STEPS, 5)
+        fwd = ms(lambda: cpab_fwd(coherent, E, tess, STEPS, 5))
+        bwd = ms(lambda: cpab_bwd(coherent, checkpoints, w, E, tess, STEPS, 5, True, False))
+        print(f"  points sorted by cell: forward {fwd:.3f} ms, backward {bwd:.3f} ms", flush=True)
+    for every in (5, STEPS):
 
-        def whole(backend: str = backend) -> None:
+        def whole(every: int = every) -> None:
+            out = integrate(pts, basis.to_A(theta), tess, steps=STEPS, backend="triton", checkpoint_every=every)
             theta.grad = None
-            (
-                integrate(pts, basis.to_A(theta), tess, steps=50, backend=backend, checkpoint_every=K) * w
-            ).sum().backward()
+            (out * w).sum().backward()
 
         whole()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         best = ms(whole, reps=5)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-        print(f"  integrate forward + backward, {backend}: {best:.3f} ms, peak {peak:.0f} MiB", flush=True)
+        try:
+            replay = f"{graph_ms(whole):.3f} ms"
+        except RuntimeError as error:  # capture not possible: report why
+            replay = f"failed ({str(error).splitlines()[0][:80]})"
+        print(
+            f"  integrate forward + backward, every {every}: {best:.3f} ms (peak {peak:.1f} MiB); CUDA graph {replay}",
+            flush=True,
+        )
+
+
+def overhead() -> None:
+    """A whole forward + backward on 64 points: the fixed cost per call (host launches, small torch ops)."""
+    tess = Tessellation((8, 8))
+    basis = cpa_basis(tess, "zero")
+    theta = torch.randn(16, basis.d, device="cuda", requires_grad=True)
+    pts = torch.rand(64, 2, device="cuda")
+    w = torch.randn(16, 64, 2, device="cuda")
+
+    def whole() -> None:
+        out = integrate(pts, basis.to_A(theta), tess, steps=STEPS, backend="triton")
+        (out * w).sum().backward()
+
+    print(f"fixed cost: forward + backward on 64 points, 2D 8x8, batch 16: {ms(whole):.3f} ms", flush=True)
 
 
 if __name__ == "__main__":
     accuracy()
     if CUDA:
+        warm_up()
+        overhead()
         timings((32, 32), 16)
         timings((8, 8, 8), 8)
         timings((16, 16, 16), 8)
+        timings((16, 16, 16), 1, points=0)

@@ -15,14 +15,28 @@ def test_bench_cpab_quick_prints_and_writes_tables(tmp_path: Path) -> None:
     out = tmp_path / "bench.md"
     result = CliRunner().invoke(app, ["bench", "cpab", "--quick", "--output", str(out)])
     assert result.exit_code == 0, result.output
-    for text in ("2D, batch 2", "3D, batch 2", "factorized", "unrolled autograd", "forward sensitivity", "gradient ms"):
+    for text in ("2D, batch 2", "3D, batch 2", "factorized", "unrolled autograd", "forward sensitivity", "gradient"):
         assert text in result.output
     markdown = out.read_text()
-    assert "| tessellation | d | method | forward ms | gradient ms | total ms | peak MiB | first s |" in markdown
+    header = "| tessellation | d | method | forward ms | gradient ms | total ms | peak MiB | G pt-steps/s | first s |"
+    assert header in markdown
     assert markdown.count("| 2x2 | 10 |") == 3
     assert "time grows with N and T" in markdown
     assert "gradient against forward sensitivity: 2D 4x4, batch 2" in markdown
     assert markdown.count("forward sensitivity |") == 2 + 1 + 1  # the 2D and 3D tables' rows and the comparison's
+
+
+def test_bench_cpab_methods_option(tmp_path: Path) -> None:
+    out = tmp_path / "bench.md"
+    args = ["bench", "cpab", "--quick", "--methods", "factorized", "--output", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    markdown = out.read_text()
+    assert "--methods factorized" in markdown
+    assert "unrolled autograd" not in markdown
+    assert markdown.count("forward sensitivity |") == 1  # the comparison's row only
+    bad = CliRunner().invoke(app, ["bench", "cpab", "--quick", "--methods", "fused"])
+    assert bad.exit_code != 0  # the fused methods need CUDA
 
 
 def test_bench_help_does_not_import_torch() -> None:

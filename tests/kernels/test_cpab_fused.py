@@ -271,7 +271,7 @@ for kernel, consts in point_kernels + [(_step_matrices_kernel, {"DEG": 12}), (_s
         constexprs = {"NDIM": ndim, "BLOCK": 128, **consts}
         signature = {
             name: "constexpr" if name in constexprs else "*fp32" if name.endswith("_ptr") else
-            "fp32" if name.startswith("h_") else "i32"
+            "fp32" if name in ("h0", "h1", "h2") else "i32"
             for name in kernel.arg_names
         }
         source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)

@@ -5,6 +5,8 @@ scheme (``regkit.cpab.integrate``; ``zero`` boundary, float32, checkpoints every
 
 * fused (CUDA only): ``integrate(..., backend="triton")``, the factorized adjoint in Triton kernels
   (``regkit_kernels.cpab``); its first call, which compiles the kernels, is reported apart;
+* fused, no checkpoints (CUDA only): the same with ``checkpoint_every = steps``: the forward stores no positions and
+  the backward recomputes its checkpoints in registers (one more pass of the scheme, memory flat in ``N``);
 * factorized: ``integrate(..., backend="torch")``, whose backward recomputes segments, accumulates per-cell moments
   and projects once (``O(T N)`` time, memory flat in ``d``);
 * unrolled autograd: ``integrate_reference``, autograd through every step (memory ``O(T N)``);
@@ -13,7 +15,8 @@ scheme (``regkit.cpab.integrate``; ``zero`` boundary, float32, checkpoints every
 
 Tables: 2D and 3D over tessellation sizes, every method; on CUDA the 6.9M-point registration grid (fused and
 factorized); a head-to-head of the gradients against forward sensitivity (2D 30x30, batch 2 on CUDA: time and memory
-ratios); the N and T sweep.
+ratios); the N and T sweep. ``--methods`` picks the methods (the comparison always adds forward sensitivity).
+The "G pt-steps/s" column is ``B N T`` scheme steps per second of the forward pass.
 
 Timing: the best of a few runs, synchronised on CUDA. "gradient" is the backward pass for the adjoint methods and the
 whole sensitivity integration for forward sensitivity (its forward column is the plain no-grad forward). Peak memory,
@@ -46,14 +49,16 @@ from regkit_cli.bench._common import device_name, mib, render, rss_bytes
 if TYPE_CHECKING:
     import torch
 
-METHODS = ("fused", "factorized", "unrolled", "sensitivity")
+METHODS = ("fused", "fused_lean", "factorized", "unrolled", "sensitivity")
 METHOD_TITLES = {
     "fused": "fused (Triton)",
+    "fused_lean": "fused, no checkpoints",
     "factorized": "factorized (PyTorch)",
     "unrolled": "unrolled autograd",
     "sensitivity": "forward sensitivity",
 }
-_BACKENDS = {"fused": "triton", "factorized": "torch", "unrolled": "reference"}
+_BACKENDS = {"fused": "triton", "fused_lean": "triton", "factorized": "torch", "unrolled": "reference"}
+_FUSED = ("fused", "fused_lean")
 REGISTRATION_GRID = (160, 192, 224)  # the issue's registration case: one transformation of a dense 3D grid
 
 
@@ -160,7 +165,7 @@ def _measure(case: Case, budget_s: float) -> dict[str, Any]:
     import torch
 
     from regkit.cpab.basis import cpa_basis
-    from regkit.cpab.integrate import forward_sensitivity_gradient, integrate
+    from regkit.cpab.integrate import DEFAULT_CHECKPOINT_EVERY, forward_sensitivity_gradient, integrate
     from regkit.cpab.tessellation import Tessellation
 
     device = torch.device(case.device)
@@ -176,6 +181,7 @@ def _measure(case: Case, budget_s: float) -> dict[str, Any]:
         points = torch.rand(case.points, case.ndim, generator=gen).to(device)
     weights = torch.randn(case.batch, *points.shape, generator=gen).to(device)
     backend = _BACKENDS.get(case.method, "torch")
+    every = case.steps if case.method == "fused_lean" else DEFAULT_CHECKPOINT_EVERY
 
     def sync() -> None:
         if cuda:
@@ -191,7 +197,7 @@ def _measure(case: Case, budget_s: float) -> dict[str, Any]:
             forward_sensitivity_gradient(points, theta, basis, weights, steps=case.steps)
         else:
             th = theta.clone().requires_grad_(True)
-            out = integrate(points, basis.to_A(th), tess, steps=case.steps, backend=backend)
+            out = integrate(points, basis.to_A(th), tess, steps=case.steps, backend=backend, checkpoint_every=every)
             sync()
             t1 = time.perf_counter()
             (out * weights).sum().backward()
@@ -312,15 +318,18 @@ def _ms(seconds: float) -> str:
     return f"{ms:.3g}" if ms < 1000 else f"{ms:,.0f}"
 
 
-def _cells(result: dict[str, Any]) -> list[str]:
+def _cells(result: dict[str, Any], case: Case) -> list[str]:
     if "skipped" in result:
-        return [result["skipped"], "", "", "", ""]
+        return [result["skipped"], "", "", "", "", ""]
     total = result["forward_s"] + result["gradient_s"]
+    points = prod(REGISTRATION_GRID) if case.grid else case.points
+    rate = case.batch * points * case.steps / result["forward_s"] / 1e9
     return [
         _ms(result["forward_s"]),
         _ms(result["gradient_s"]),
         _ms(total),
         mib(result["peak_bytes"]),
+        f"{rate:.3g}",
         f"{result['first_s']:.1f}",
     ]
 
@@ -335,6 +344,10 @@ def cpab(
         int | None,
         typer.Option("--threads", min=1, help="CPU threads for torch (default: torch's); 1 is steadier on busy CPUs."),
     ] = None,
+    methods: Annotated[
+        str | None,
+        typer.Option("--methods", help=f"Comma-separated subset of {', '.join(METHODS)} (default: all that can run)."),
+    ] = None,
 ) -> None:
     """Time forward and gradient passes and peak memory of CPAB integration: the factorized adjoint beside
     unrolled autograd and forward sensitivities, over 2D and 3D tessellations, plus a sweep over points and steps."""
@@ -347,6 +360,9 @@ def cpab(
         raise typer.BadParameter("CUDA is not available here", param_hint="--device")
     if threads is not None:
         torch.set_num_threads(threads)
+    chosen = METHODS if methods is None else tuple(m.strip() for m in methods.split(","))
+    if not chosen or any(m not in METHODS for m in chosen):
+        raise typer.BadParameter(f"choose from {', '.join(METHODS)}", param_hint="--methods")
     plan = _plan(device.value, quick)
     console = Console()
     caps = _Caps(plan)
@@ -366,19 +382,23 @@ def cpab(
     )
     console.print(settings)
     flags = f"--device {device.value}{' --quick' if quick else ''}{'' if threads is None else f' --threads {threads}'}"
+    flags += "" if methods is None else f" --methods {','.join(chosen)}"
     markdown = [f"### `regkit bench cpab {flags}`", "", settings, ""]
 
-    methods = [m for m in METHODS if m != "fused" or device is Device.cuda]
-    header = ["tessellation", "d", "method", "forward ms", "gradient ms", "total ms", "peak MiB", "first s"]
+    runnable = [m for m in METHODS if m in chosen and (m not in _FUSED or device is Device.cuda)]
+    if not runnable:
+        raise typer.BadParameter(f"none of {', '.join(chosen)} runs on {device.value}", param_hint="--methods")
+    header = ["tessellation", "d", "method", "forward ms", "gradient ms", "total ms", "peak MiB", "G pt-steps/s"]
+    header.append("first s")
     for ndim, (batch, points, cell_counts) in plan.sizes.items():
         rows = []
         for cells in cell_counts:
             name = "x".join([str(cells)] * ndim)
-            for method in methods:
+            for method in runnable:
                 case = Case(ndim, cells, batch, points, plan.steps, method, device.value)
                 result = {"skipped": "skipped (cap)"} if caps.skip(case) else _run_case(case, plan)
                 caps.record(case, result)
-                rows.append([name, f"{_dimension(ndim, cells):,}", METHOD_TITLES[method], *_cells(result)])
+                rows.append([name, f"{_dimension(ndim, cells):,}", METHOD_TITLES[method], *_cells(result, case)])
                 console.print("  " + "  ".join(rows[-1]).rstrip(), style="dim")
         table, md = render(f"{ndim}D, batch {batch}, {points:,} points, T = {plan.steps}", header, rows)
         console.print(table)
@@ -387,10 +407,10 @@ def cpab(
     if plan.registration:
         rows = []
         for cells in plan.registration:
-            for method in methods[:2]:
+            for method in [m for m in runnable if m in (*_FUSED, "factorized")]:
                 case = Case(3, cells, 1, 0, plan.steps, method, device.value, grid=True)
                 rows.append([f"{cells}x{cells}x{cells}", f"{_dimension(3, cells):,}", METHOD_TITLES[method]])
-                rows[-1] += _cells(_run_case(case, plan))
+                rows[-1] += _cells(_run_case(case, plan), case)
                 console.print("  " + "  ".join(rows[-1]).rstrip(), style="dim")
         grid = "x".join(map(str, REGISTRATION_GRID))
         table, md = render(
@@ -401,19 +421,19 @@ def cpab(
 
     if plan.versus is not None:
         cells, batch, points = plan.versus
-        results: dict[str, dict[str, Any]] = {}
-        for method in (*methods[:2], "sensitivity"):
+        results: dict[str, tuple[Case, dict[str, Any]]] = {}
+        for method in [*[m for m in runnable if m in (*_FUSED, "factorized")], "sensitivity"]:
             case = Case(2, cells, batch, points, plan.steps, method, device.value)
-            results[method] = {"skipped": "skipped (cap)"} if caps.skip(case) else _run_case(case, plan)
-        base = results["sensitivity"]
+            results[method] = case, {"skipped": "skipped (cap)"} if caps.skip(case) else _run_case(case, plan)
+        base = results["sensitivity"][1]
         rows = []
-        for method, result in results.items():
+        for method, (case, result) in results.items():
             ratio = ["", ""]
             if "skipped" not in result and "skipped" not in base and method != "sensitivity":
                 ratio = [f"{base['gradient_s'] / result['gradient_s']:,.0f}x"]
                 peak, base_peak = result["peak_bytes"], base["peak_bytes"]
                 ratio.append(f"{base_peak / peak:,.0f}x" if peak and base_peak else "")
-            rows.append([METHOD_TITLES[method], *_cells(result), *ratio])
+            rows.append([METHOD_TITLES[method], *_cells(result, case), *ratio])
         title = f"gradient against forward sensitivity: 2D {cells}x{cells}, batch {batch}, {points:,} points"
         table, md = render(title, ["method", *header[3:], "sensitivity / this, time", "memory"], rows)
         console.print(table)
@@ -421,10 +441,10 @@ def cpab(
 
     batch, _, _ = plan.sizes[2]
     rows = []
-    sweep_method = methods[0]
+    sweep_method = runnable[0]
     for points, steps in plan.sweep:
         case = Case(2, plan.sweep_cells, batch, points, steps, sweep_method, device.value)
-        rows.append([f"{points:,}", str(steps), *_cells(_run_case(case, plan))])
+        rows.append([f"{points:,}", str(steps), *_cells(_run_case(case, plan), case)])
     title = f"{METHOD_TITLES[sweep_method]}, 2D {plan.sweep_cells}^2, batch {batch}: time grows with N and T"
     table, md = render(title, ["N", "T", *header[3:]], rows)
     console.print(table)

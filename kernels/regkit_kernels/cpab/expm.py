@@ -27,9 +27,9 @@ _DEGREE = {torch.float32: 12, torch.float64: 18}
 
 
 @triton.jit
-def _float64(hi, lo):
-    """``hi + lo`` in float64 (Triton passes Python floats as float32: :func:`_split` cuts ``h`` in two)."""
-    return tl.cast(hi, tl.float64) + tl.cast(lo, tl.float64)
+def _float64(h0, h1, h2):
+    """``h0 + h1 + h2`` in float64 (Triton passes Python floats as float32: :func:`_split` cuts ``h`` in three)."""
+    return (tl.cast(h0, tl.float64) + tl.cast(h1, tl.float64)) + tl.cast(h2, tl.float64)
 
 
 @triton.jit
@@ -63,17 +63,17 @@ def _mm_top(a, b, NDIM: tl.constexpr):
 
 
 @triton.jit
-def _scale(a, f):
+def _scale(a, f, SIZE: tl.constexpr):
     out = ()
-    for i in tl.static_range(len(a)):
+    for i in tl.static_range(SIZE):
         out = out + (a[i] * f,)  # noqa: RUF005
     return out
 
 
 @triton.jit
-def _add(a, b):
+def _add(a, b, SIZE: tl.constexpr):
     out = ()
-    for i in tl.static_range(len(a)):
+    for i in tl.static_range(SIZE):
         out = out + (a[i] + b[i],)  # noqa: RUF005
     return out
 
@@ -92,9 +92,9 @@ def _plus_identity(a, ROWS: tl.constexpr, Q: tl.constexpr):
 
 
 @triton.jit
-def _select(cond, a, b):
+def _select(cond, a, b, SIZE: tl.constexpr):
     out = ()
-    for i in tl.static_range(len(a)):
+    for i in tl.static_range(SIZE):
         out = out + (tl.where(cond, a[i], b[i]),)  # noqa: RUF005
     return out
 
@@ -118,26 +118,26 @@ def _scaling(norm):
     return tl.where(s == s, tl.minimum(tl.maximum(s, 0.0), 64.0), 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _step_matrices_kernel(
-    a_ptr, e_ptr, h_hi, h_lo, R, NDIM: tl.constexpr, DEG: tl.constexpr, BLOCK: tl.constexpr
+    a_ptr, e_ptr, h0, h1, h2, R, NDIM: tl.constexpr, DEG: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
     """``e[r] = (expm(h [a[r]; 0]))[:NDIM]`` for ``R`` row-major ``NDIM x (NDIM + 1)`` matrices, written as padded
     ``NDIM x 4`` rows (a zero last column in 2D). Computed in float64 on the top rows (module docstring)."""
     Q: tl.constexpr = NDIM + 1
-    h = _float64(h_hi, h_lo)
+    h = _float64(h0, h1, h2)
     row = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     ok = row < R
     m = ()
     for i in tl.static_range(NDIM * Q):
         m = m + (tl.load(a_ptr + row * (NDIM * Q) + i, mask=ok, other=0.0).to(tl.float64) * h,)  # noqa: RUF005
     s = _scaling(_row_sums(m, NDIM, Q))
-    m = _scale(m, tl.exp2(-s))
-    t = _plus_identity(_scale(m, 0.0), NDIM, Q)
+    m = _scale(m, tl.exp2(-s), NDIM * Q)
+    t = _plus_identity(_scale(m, 0.0, NDIM * Q), NDIM, Q)
     for k in range(DEG, 0, -1):
-        t = _plus_identity(_scale(_mm_top(m, t, NDIM), 1.0 / tl.cast(k, tl.float64)), NDIM, Q)
+        t = _plus_identity(_scale(_mm_top(m, t, NDIM), 1.0 / tl.cast(k, tl.float64), NDIM * Q), NDIM, Q)
     for i in range(tl.max(s, axis=0).to(tl.int32)):
-        t = _select(i < s, _mm_top(t, t, NDIM), t)
+        t = _select(i < s, _mm_top(t, t, NDIM), t, NDIM * Q)
     for i in tl.static_range(NDIM):
         for j in tl.static_range(4):
             if j < Q:
@@ -147,9 +147,9 @@ def _step_matrices_kernel(
             tl.store(e_ptr + row * (NDIM * 4) + i * 4 + j, value.to(e_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _step_matrices_vjp_kernel(
-    a_ptr, g_ptr, out_ptr, h_hi, h_lo, R, NDIM: tl.constexpr, DEG: tl.constexpr, BLOCK: tl.constexpr
+    a_ptr, g_ptr, out_ptr, h0, h1, h2, R, NDIM: tl.constexpr, DEG: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
     """``out[r] = h L[:NDIM, :NDIM + 1]``, ``L`` the top-right block of ``expm([[X^T, G'], [0, X^T]])`` with
     ``X = h [a[r]; 0]`` and ``G' = [g[r]; 0]`` (``g`` in padded ``NDIM x 4`` rows; its last column is not read in 2D).
@@ -157,7 +157,7 @@ def _step_matrices_vjp_kernel(
     squarings. The block matrix stays block upper triangular through Horner's steps and the squarings,
     ``[[A, B], [0, A]] [[C, D], [0, C]] = [[AC, AD + BC], [0, AC]]``. Computed in float64."""
     Q: tl.constexpr = NDIM + 1
-    h = _float64(h_hi, h_lo)
+    h = _float64(h0, h1, h2)
     row = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     ok = row < R
     zero = tl.zeros([BLOCK], dtype=tl.float64)
@@ -179,28 +179,29 @@ def _step_matrices_vjp_kernel(
     size = tl.where(size > 0, size, 1.0)
     s = _scaling(_row_sums(y, Q, Q) + _row_sums(g, Q, Q) / size)
     scale = tl.exp2(-s)
-    y = _scale(y, scale)
-    g = _scale(g, scale / size)
-    t = _plus_identity(_scale(y, 0.0), Q, Q)
-    u = _scale(y, 0.0)
+    y = _scale(y, scale, Q * Q)
+    g = _scale(g, scale / size, Q * Q)
+    t = _plus_identity(_scale(y, 0.0, Q * Q), Q, Q)
+    u = _scale(y, 0.0, Q * Q)
     for k in range(DEG, 0, -1):
         inverse = 1.0 / tl.cast(k, tl.float64)
-        u = _scale(_add(_mm(y, u, Q), _mm(g, t, Q)), inverse)
-        t = _plus_identity(_scale(_mm(y, t, Q), inverse), Q, Q)
+        u = _scale(_add(_mm(y, u, Q), _mm(g, t, Q), Q * Q), inverse, Q * Q)
+        t = _plus_identity(_scale(_mm(y, t, Q), inverse, Q * Q), Q, Q)
     for i in range(tl.max(s, axis=0).to(tl.int32)):
         square = i < s
-        u = _select(square, _add(_mm(t, u, Q), _mm(u, t, Q)), u)
-        t = _select(square, _mm(t, t, Q), t)
+        u = _select(square, _add(_mm(t, u, Q), _mm(u, t, Q), Q * Q), u, Q * Q)
+        t = _select(square, _mm(t, t, Q), t, Q * Q)
     for i in tl.static_range(NDIM):
         for j in tl.static_range(Q):
             value = u[i * Q + j] * (size * h)
             tl.store(out_ptr + row * (NDIM * Q) + i * Q + j, value.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _split(h: float) -> tuple[float, float]:
-    """``h`` as two float32 values whose sum in float64 is ``h`` to about 2^-48 relative."""
-    hi = float(np.float32(h))
-    return hi, float(np.float32(h - hi))
+def _split(h: float) -> tuple[float, float, float]:
+    """``h`` as three float32 values whose sum in float64 is ``h`` (24 bits each cover float64's 53)."""
+    h0 = float(np.float32(h))
+    h1 = float(np.float32(h - h0))
+    return h0, h1, float(np.float32(h - h0 - h1))
 
 
 def _launch(kernel, R: int, *args, h: float, dtype: torch.dtype, ndim: int) -> None:

@@ -148,7 +148,12 @@ def _store_points(ptr, idx, x0, x1, x2, ok, NDIM: tl.constexpr):
         tl.store(ptr + idx * NDIM + 2, x2, mask=ok)
 
 
-@triton.jit
+# Sizes are not specialised on (divisibility by 16, equality to 1): one compiled kernel serves every problem size, so a
+# warm-up call on a few points compiles what the real call uses.
+_SIZES = ["x_batch_stride", "B", "N", "C", "NX", "NY", "T", "K"]
+
+
+@triton.jit(do_not_specialize=_SIZES)
 def _cpab_fwd_kernel(
     x_ptr, x_batch_stride, e_ptr, geom_ptr, out_ptr, ckpt_ptr, B, N, C, NX, NY, T, K, NDIM: tl.constexpr,
     DIVIDE: tl.constexpr, BLOCK: tl.constexpr,
@@ -172,15 +177,14 @@ def _cpab_fwd_kernel(
 
 @triton.jit
 def _flush(mom_ptr, cell, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM: tl.constexpr):
-    """Add the accumulated moment rows of ``cell`` (padded ``NDIM x 4``) to the table where ``changed`` (in 2D the
-    padding column is left out)."""
-    col = tl.arange(0, 4)[None, :]
-    p = (mom_ptr + cell * (4 * NDIM))[:, None] + col
+    """Add the accumulated moment rows of ``cell`` (padded ``NDIM x 4``) to the table where ``changed``: one vector
+    atomic per row (``red.global.add.v4.f32`` on sm_90; in 2D the padding column adds zeros, which keeps the vector)."""
+    p = (mom_ptr + cell * (4 * NDIM))[:, None] + tl.arange(0, 4)[None, :]
     m = (ok & changed & (cell >= 0))[:, None]
     if NDIM == 2:
-        m = m & (col < 3)
-        tl.atomic_add(p, _pack(a0, a1, a2, a2), mask=m, sem="relaxed")
-        tl.atomic_add(p + 4, _pack(a3, a4, a5, a5), mask=m, sem="relaxed")
+        zero = tl.zeros_like(a0)
+        tl.atomic_add(p, _pack(a0, a1, a2, zero), mask=m, sem="relaxed")
+        tl.atomic_add(p + 4, _pack(a3, a4, a5, zero), mask=m, sem="relaxed")
     else:
         tl.atomic_add(p, _pack(a0, a1, a2, a3), mask=m, sem="relaxed")
         tl.atomic_add(p + 4, _pack(a4, a5, a6, a7), mask=m, sem="relaxed")
@@ -196,7 +200,7 @@ def _select(j, slots, SLOTS: tl.constexpr):
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def _cpab_bwd_kernel(
     x_ptr, x_batch_stride, ckpt_ptr, g_ptr, e_ptr, geom_ptr, gx_ptr, mom_ptr, B, N, C, NX, NY, T, K,
     NDIM: tl.constexpr, SEG: tl.constexpr, SLOTS: tl.constexpr, MOMENTS: tl.constexpr, POINTS: tl.constexpr,
