@@ -12,12 +12,19 @@ Stages run in the configured order, each starting where the previous one ended:
   schedule; the solution at one level is carried to the next level's finer tessellation by interpolating its velocity
   at the new vertices (exact when the tessellations nest, e.g. 4 -> 8). ``chain = K`` runs the schedule K times, each
   time composing a new flow after the earlier ones. CPAB parameters are optimized in the prior's whitened
-  coordinates ``z`` (``theta = L z`` with ``Sigma_theta = L L^T``, a ``torch.nn.utils.parametrize`` of ``theta``):
-  the prior energy is ``|z|^2 / 2``, gradient steps are smooth fields, and the learning rate is in units of prior
-  standard deviations whatever the tessellation and the image size.
+  coordinates: ``theta = theta_0 + L z`` with ``Sigma_theta = L L^T`` and ``theta_0`` the level's starting field (the
+  coarser level's solution), a ``torch.nn.utils.parametrize`` of ``theta``; ``z`` starts at zero on every level. The
+  prior is :class:`~regkit.cpab.prior.VertexPrior` (a squared-exponential process on the vertex velocities, whose
+  whitening is Kronecker-factored in 3D, so fine tessellations cost little), or the cell-map
+  :class:`~regkit.cpab.prior.CPABPrior` with volume preservation. Gradient steps are smooth fields. Adam's
+  learning rate is in prior standard deviations of a coherent step: it is divided by the prior's coherence
+  (``rms(L 1 / sigma)``, how far a step of +1 in every whitened coordinate moves each one, which grows with the
+  number of vertices a prior length scale spans) and multiplied by ``shrink / first shrink`` of the level, so that
+  steps shrink with the pyramid's voxels and mean the same on every tessellation.
 
-Each level minimizes ``similarity(fixed, moving o transform) + weight * prior energy / d`` (the prior only for CPAB;
-``d`` = number of CPAB parameters, so that the weight means the same on every tessellation) with Adam or L-BFGS,
+Each level minimizes ``similarity(fixed, moving o transform) + weight * |z|^2 / (2 d)`` (the prior only for CPAB: the
+prior energy of the level's change; ``d`` = number of CPAB parameters, so that the weight means the same on every
+tessellation) with Adam or L-BFGS,
 stopping at the iteration cap or when the relative change of the loss stays below ``tolerance`` for ``patience``
 iterations. Intensities are rescaled to [0, 1] between each image's 0.5th and 99.5th percentiles
 before registration (the similarity measures see these, not the raw values).
@@ -36,6 +43,7 @@ from torch.nn.utils import parametrize
 
 from regkit.config import AffineStage, CpabStage, MomentsStage, RegistrationConfig, RigidStage
 from regkit.cpab.module import CPAB
+from regkit.cpab.prior import CPABPrior, VertexPrior
 from regkit.errors import ImageDimensionError, ImageValueError, RegkitError
 from regkit.io import Image
 from regkit.similarity import Similarity, build_similarity
@@ -191,10 +199,18 @@ class _Context:
         self.should_stop = should_stop
         self.on_level = on_level
         self.start = time.perf_counter()
+        self._levels: dict[tuple, list[_Level]] = {}
 
     def levels(self, stage: RigidStage | AffineStage | CpabStage) -> list[_Level]:
-        """The stage's pyramid, coarse to fine; masks use the stage's mask flags."""
+        """The stage's pyramid, coarse to fine; masks use the stage's mask flags. Built once per pyramid and mask
+        flags (stages with the same pyramid share it: smoothing a 3D image takes seconds on the CPU)."""
         spec = [(level.shrink, level.smoothing) for level in stage.pyramid]
+        key = (tuple(spec), stage.mask.fixed, stage.mask.moving)
+        if key not in self._levels:
+            self._levels[key] = self._build_levels(stage, spec)
+        return self._levels[key]
+
+    def _build_levels(self, stage: RigidStage | AffineStage | CpabStage, spec: list[tuple[int, float]]) -> list[_Level]:
         fixed = build_pyramid(self.fixed_t[None, None], self.fixed.grid, spec)
         moving = build_pyramid(self.moving_t[None, None], self.moving.grid, spec)
         no_smoothing = [(shrink, 0.0) for shrink, _ in spec]
@@ -248,13 +264,15 @@ def _optimize(
     parameters: list[torch.nn.Parameter],
     objective: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     cells: tuple[int, ...] | None = None,
+    adam_scale: float = 1.0,
 ) -> dict:
-    """Run the stage's optimizer on one level; ``objective() -> (loss, similarity)``. Returns the level's report."""
+    """Run the stage's optimizer on one level; ``objective() -> (loss, similarity)``. Returns the level's report.
+    Adam's learning rate is the configured one times ``adam_scale``."""
     opt_cfg = stage.optimizer
     max_iter = stage.level_iterations()[level_index]
     scale = 1.0  # the loss the optimizer sees is scale * loss (reports give the loss itself)
     if opt_cfg.name == "adam":
-        optimizer: torch.optim.Optimizer = torch.optim.Adam(parameters, lr=opt_cfg.learning_rate)
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(parameters, lr=opt_cfg.learning_rate * adam_scale)
     else:
         # L-BFGS is invariant to the loss's scale except for its first step, lr * g / max(1, |g|_1): image
         # similarities have tiny gradients in millimetre units, so that step would be far below the gradient's noise
@@ -383,18 +401,42 @@ def _refined(previous: CPAB | None, grid: Grid, cells: tuple[int, ...], stage: C
     return flow
 
 
-class _Unwhiten(torch.nn.Module):
-    """``theta = prior.unwhiten(z)``, registered as a parametrization of ``CPAB.theta`` while a level is optimized."""
+Prior = CPABPrior | VertexPrior
 
-    def __init__(self, flow: CPAB) -> None:
+
+def _stage_prior(flow: CPAB, stage: CpabStage) -> Prior:
+    """The prior the CPAB stage optimizes under: the vertex prior (``VertexPrior``, Kronecker-factored in 3D, so fine
+    tessellations cost little) for nodal bases; the cell-map prior (``flow.prior``) with volume preservation."""
+    if flow.basis.reduction is not None:
+        return flow.prior
+    return VertexPrior(flow.basis, stage.prior.length_scale, stage.prior.variance)
+
+
+def _coherence(prior: Prior) -> float:
+    """How far a step of +1 in every whitened coordinate moves theta, in prior standard deviations (RMS over the
+    coordinates): ``rms(L 1 / sigma)``; 1 for independent coordinates, larger the more coordinates one prior length
+    scale spans. Adam's steps are about ``lr`` in every coordinate, so along a smooth gradient they move the field by
+    ``lr`` times this; the engine divides Adam's learning rate by it, so that the learning rate means the same on
+    every tessellation."""
+    ones = torch.ones(prior.basis.d, dtype=torch.float64)
+    return max(1.0, float((prior.unwhiten(ones) / prior.marginal_std()).square().mean().sqrt()))
+
+
+class _Unwhiten(torch.nn.Module):
+    """``theta = theta_0 + prior.unwhiten(z)``, registered as a parametrization of ``CPAB.theta`` while a level is
+    optimized: ``theta_0`` is the flow's parameters when the level starts (the coarser level's solution), so ``z``
+    starts at zero and measures the level's change in prior standard deviations."""
+
+    def __init__(self, flow: CPAB, prior: Prior) -> None:
         super().__init__()
-        self.prior = flow.prior
+        self.prior = prior
+        self.register_buffer("start", flow.theta.detach().clone())
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.prior.unwhiten(z)
+        return self.start + self.prior.unwhiten(z)
 
     def right_inverse(self, theta: torch.Tensor) -> torch.Tensor:
-        return self.prior.whiten(theta)
+        return self.prior.whiten(theta - self.start)
 
 
 def _run_cpab(ctx: _Context, index: int, stage: CpabStage, matrix: np.ndarray, flows: list[CPAB]):
@@ -415,7 +457,8 @@ def _run_cpab(ctx: _Context, index: int, stage: CpabStage, matrix: np.ndarray, f
                 for earlier in [*flows, *new_flows]:
                     start_points = earlier.transform_world(start_points)
 
-            parametrize.register_parametrization(flow, "theta", _Unwhiten(flow))
+            prior = _stage_prior(flow, stage)
+            parametrize.register_parametrization(flow, "theta", _Unwhiten(flow, prior))
             z = flow.get_parameter("parametrizations.theta.original")
 
             def objective(
@@ -427,7 +470,8 @@ def _run_cpab(ctx: _Context, index: int, stage: CpabStage, matrix: np.ndarray, f
                     return sim, sim
                 return sim + stage.prior.weight * 0.5 * z.pow(2).sum() / z.numel(), sim
 
-            report.levels.append(_optimize(ctx, index, stage, li, len(levels), [z], objective, cells))
+            adam_scale = stage.pyramid[li].shrink / (stage.pyramid[0].shrink * _coherence(prior))
+            report.levels.append(_optimize(ctx, index, stage, li, len(levels), [z], objective, cells, adam_scale))
             parametrize.remove_parametrizations(flow, "theta", leave_parametrized=True)
             ctx.level_done(matrix, [*flows, *new_flows, flow])
         assert flow is not None

@@ -222,9 +222,178 @@ class CPABPrior:
         """``1/2 theta^T Sigma_theta^-1 theta``, shape ``(...,)`` for theta ``(..., d)``; differentiable."""
         return 0.5 * self.whiten(theta).square().sum(dim=-1)
 
+    def marginal_std(self) -> torch.Tensor:
+        """The prior standard deviation of each theta coordinate, ``sqrt(diag(Sigma_theta))`` (``(d,)`` float64)."""
+        out = torch.zeros(self.basis.d, dtype=torch.float64)
+        for index, chol_m, _, chol_g in self._blocks:
+            out[index] = torch.cholesky_solve(chol_m, chol_g).square().sum(dim=1).sqrt()  # rows of G^-1 chol(M)
+        return out
+
     def sample_theta(self, n: int | None = None, *, generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:
         """Draws from ``N(0, scale^2 Sigma_theta)``: ``(d,)`` or ``(n, d)`` float64 on the generator's device.
         The same generator state gives the same sample."""
+        shape = (self.basis.d,) if n is None else (n, self.basis.d)
+        z = torch.randn(shape, generator=generator, dtype=torch.float64, device=generator.device)
+        return scale * self.unwhiten(z)
+
+
+def _vertex_index_grid(basis: CPABasis, index: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """Per axis (x, y, z) the sorted corner indices whose product is the set of vertices of the nodal coordinates
+    ``index`` (in their order: x fastest), or None when they are not such a product (2D centres, irregular sets)."""
+    tess = basis.tess
+    if tess.ndim != 3:
+        return None
+    ids = basis.free_vertex[index]
+    counts = [s + 1 for s in tess.shape]
+    coords = [ids % counts[0], (ids // counts[0]) % counts[1], ids // (counts[0] * counts[1])]
+    axes = tuple(torch.unique(c) for c in coords)
+    if math.prod(a.numel() for a in axes) != ids.numel():
+        return None
+    grid = torch.cartesian_prod(*reversed(axes))  # rows (z, y, x), x fastest: the order of sorted vertex ids
+    expected = grid[:, 2] + counts[0] * (grid[:, 1] + counts[1] * grid[:, 0])
+    return axes if torch.equal(expected, ids) else None
+
+
+def _symmetric_roots(kernel: torch.Tensor, jitter: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(K + jitter I)^(1/2)`` and its inverse, for a symmetric positive semi-definite ``K`` (float64)."""
+    values, vectors = torch.linalg.eigh(kernel)
+    values = values.clamp_min(0.0) + jitter
+    return (vectors * values.sqrt()) @ vectors.T, (vectors * values.rsqrt()) @ vectors.T
+
+
+class VertexPrior:
+    """Gaussian prior on the vertex velocities: a squared-exponential Gaussian process per velocity component.
+
+    Definition. In the unit box (``u = (x - lower) / (upper - lower)``, velocities in box extents per unit time,
+    as :class:`CPABPrior`), every free velocity component ``v_a`` at the tessellation's vertices is Gaussian with
+
+        Cov[v_a(u), v_b(u')] = [a == b] variance length_scale^2 (k(u, u') + jitter [u == u'])
+
+    with ``k(u, u') = exp(-|u - u'|^2 / (2 length_scale^2))``. The amplitude ``variance length_scale^2`` gives the
+    velocity's spatial derivatives the variance ``variance`` (``-d^2 k / du^2 = 1 / length_scale^2`` at 0), which is
+    how :class:`CPABPrior` scales the linear parts of the normalised cell maps; its marginal vertex-velocity variance
+    is close (0.0065 in 3D, 0.0115 in 2D at ``length_scale`` 0.1, against 0.01 here). Components the boundary mode
+    fixes are not parameters. For nodal bases (no volume preservation) only.
+
+    Computation. In 3D the free vertices of every component are a product of per-axis index sets, so ``k`` on them
+    is the Kronecker product of three 1D kernels; with ``jitter`` added to each 1D factor, the whitening map is the
+    Kronecker product of their symmetric square roots: ``theta = W^-1 (R_z ⊗ R_y ⊗ R_x) z`` (``W`` the unit-box
+    velocity per theta coordinate), applied axis by axis in ``O(V (n_x + n_y + n_z))`` per component, with memory
+    ``O(n_x^2 + n_y^2 + n_z^2)``. Other vertex sets (the 2D centres) use the dense symmetric root of the ``V x V``
+    kernel (``O(V^3)`` once, ``O(V^2)`` per call). The symmetric root makes each whitened coordinate a smooth bump
+    centred on its vertex. ``energy(theta) = 1/2 |whiten(theta)|^2``.
+    """
+
+    def __init__(self, basis: CPABasis, length_scale: float = 0.1, variance: float = 1.0, *, jitter: float = 1e-6):
+        for name, value in (("length_scale", length_scale), ("variance", variance)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"CPAB prior {name} must be finite and positive, got {value}")
+        if not (math.isfinite(jitter) and jitter >= 0):
+            raise ValueError(f"CPAB prior jitter must be finite and >= 0, got {jitter}")
+        if basis.reduction is not None:
+            raise ValueError("VertexPrior needs a nodal basis (no volume preservation); use CPABPrior")
+        self.basis = basis
+        self.length_scale = float(length_scale)
+        self.variance = float(variance)
+        self.jitter = float(jitter)
+        tess = basis.tess
+        extent = torch.tensor(tess.upper, dtype=torch.float64) - torch.tensor(tess.lower, dtype=torch.float64)
+        vertices = (torch.from_numpy(tess._grid_vertices) / torch.tensor(tess.shape, dtype=torch.float64)).double()
+        amplitude = math.sqrt(self.variance) * self.length_scale
+        # per block: (index, theta per unit velocity (k,), root factors, inverse root factors); factors are
+        # [(R_x, R_y, R_z)] for the Kronecker form or [R] dense
+        self._blocks: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
+        for axis in range(tess.ndim):
+            index = torch.nonzero(basis.free_axis == axis).flatten()
+            if not index.numel():
+                continue
+            per_theta = basis.scale[index] / extent[axis]  # unit-box velocity per theta_i
+            grid = _vertex_index_grid(basis, index)
+            if grid is None:
+                points = vertices[basis.free_vertex[index]]
+                roots = [_symmetric_roots(self._kernel(points), self.jitter)]
+            else:
+                roots = [
+                    _symmetric_roots(self._kernel(positions.double()[:, None] / cells), self.jitter)
+                    for positions, cells in zip(grid, tess.shape, strict=True)
+                ]
+            self._blocks.append((index, amplitude / per_theta, [r for r, _ in roots], [r_inv for _, r_inv in roots]))
+        self._device_cache: dict[tuple[torch.dtype, torch.device], list[tuple]] = {}
+
+    def _kernel(self, points: torch.Tensor) -> torch.Tensor:
+        return torch.exp(-torch.cdist(points, points).square() / (2 * self.length_scale**2))
+
+    def _factors(self, dtype: torch.dtype, device: torch.device) -> list[tuple]:
+        key = (dtype, device)
+        if key not in self._device_cache:
+            self._device_cache[key] = [
+                (
+                    index.to(device),
+                    weight.to(device=device, dtype=dtype),
+                    [f.to(device=device, dtype=dtype) for f in roots],
+                    [f.to(device=device, dtype=dtype) for f in inverses],
+                )
+                for index, weight, roots, inverses in self._blocks
+            ]
+        return self._device_cache[key]
+
+    @staticmethod
+    def _apply(factors: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``(F_z ⊗ F_y ⊗ F_x) x`` for factors ``[F_x, F_y, F_z]`` (x fastest in ``x``'s last axis), or ``F x``."""
+        if len(factors) == 1:
+            return x @ factors[0].T
+        fx, fy, fz = factors
+        grid = x.unflatten(-1, (fz.shape[0], fy.shape[0], fx.shape[0]))
+        grid = torch.einsum("...zyx,ax->...zya", grid, fx)
+        grid = torch.einsum("...zyx,ay->...zax", grid, fy)
+        grid = torch.einsum("...zyx,az->...ayx", grid, fz)
+        return grid.flatten(-3)
+
+    def _check(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1:] != (self.basis.d,):
+            raise ValueError(f"expected shape (..., {self.basis.d}), got {tuple(x.shape)}")
+        return x
+
+    def unwhiten(self, z: torch.Tensor) -> torch.Tensor:
+        """``theta = L z`` (``(..., d)``, z's dtype and device; differentiable), ``Sigma_theta = L L^T``, ``L``
+        symmetric in velocity units (class docstring)."""
+        out = torch.zeros_like(self._check(z))
+        for index, weight, roots, _ in self._factors(z.dtype, z.device):
+            out = out.index_copy(-1, index, weight * self._apply(roots, z[..., index]))
+        return out
+
+    def whiten(self, theta: torch.Tensor) -> torch.Tensor:
+        """``z = L^-1 theta`` (``(..., d)``; differentiable): the inverse of :meth:`unwhiten`."""
+        out = torch.zeros_like(self._check(theta))
+        for index, weight, _, inverses in self._factors(theta.dtype, theta.device):
+            out = out.index_copy(-1, index, self._apply(inverses, theta[..., index] / weight))
+        return out
+
+    def energy(self, theta: torch.Tensor) -> torch.Tensor:
+        """``1/2 theta^T Sigma_theta^-1 theta``, shape ``(...,)`` for theta ``(..., d)``; differentiable."""
+        return 0.5 * self.whiten(theta).square().sum(dim=-1)
+
+    @property
+    def covariance_theta(self) -> torch.Tensor:
+        """``Sigma_theta = L L^T`` (``d x d`` dense float64), for inspection and tests."""
+        d = self.basis.d
+        if d > _MAX_DENSE:
+            raise ValueError(f"covariance_theta would be a dense {d} x {d} matrix; use energy/whiten/unwhiten instead")
+        root = self.unwhiten(torch.eye(d, dtype=torch.float64)).T
+        return root @ root.T
+
+    def marginal_std(self) -> torch.Tensor:
+        """The prior standard deviation of each theta coordinate, ``sqrt(diag(Sigma_theta))`` (``(d,)`` float64)."""
+        out = torch.zeros(self.basis.d, dtype=torch.float64)
+        for index, weight, roots, _ in self._blocks:
+            diagonal = roots[0].square().sum(dim=1)
+            for factor in roots[1:]:  # diag(A ⊗ B) = diag(A) ⊗ diag(B), x fastest
+                diagonal = (factor.square().sum(dim=1)[:, None] * diagonal[None, :]).flatten()
+            out[index] = weight.abs() * diagonal.sqrt()
+        return out
+
+    def sample_theta(self, n: int | None = None, *, generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+        """Draws from ``N(0, scale^2 Sigma_theta)``: ``(d,)`` or ``(n, d)`` float64 on the generator's device."""
         shape = (self.basis.d,) if n is None else (n, self.basis.d)
         z = torch.randn(shape, generator=generator, dtype=torch.float64, device=generator.device)
         return scale * self.unwhiten(z)

@@ -254,3 +254,40 @@ def test_progress_reports_every_iteration(brain2d: Image) -> None:
     elapsed = [p.elapsed for p in reports]
     assert elapsed == sorted(elapsed) and all(math.isfinite(p.loss) for p in reports)
     assert [stage.kind for stage in result.stages] == ["moments", "rigid", "cpab"]
+
+
+def test_adam_steps_are_scaled_by_the_prior_coherence() -> None:
+    """Adam's learning rate is divided by rms(L 1 / sigma): 1 for nearly independent coordinates, growing with the
+    number of vertices one prior length scale spans."""
+    from regkit.cpab.prior import VertexPrior
+    from regkit.engine import _coherence
+
+    independent = VertexPrior(CPAB((4, 4, 4)).basis, length_scale=0.01)
+    assert _coherence(independent) == pytest.approx(1.0, abs=1e-6)
+    values = [_coherence(VertexPrior(CPAB((n, n, n)).basis, length_scale=0.1)) for n in (6, 12, 24)]
+    assert 1.0 < values[0] < values[1] < values[2]
+
+
+def test_each_level_starts_from_the_coarser_solution_with_zero_z(brain2d: Image) -> None:
+    """The parametrization ``theta = theta_0 + L z`` starts every level at the carried field with z = 0, so the
+    level's first steps are not pulled by the prior energy of the carried field."""
+    from torch.nn.utils import parametrize
+
+    from regkit.cpab.prior import VertexPrior
+    from regkit.engine import _Unwhiten
+
+    flow = CPAB.for_grid(brain2d.grid, (8, 8))
+    with torch.no_grad():
+        flow.theta.normal_(generator=torch.Generator().manual_seed(0))
+    start = flow.theta.detach().clone()
+    parametrize.register_parametrization(flow, "theta", _Unwhiten(flow, VertexPrior(flow.basis)))
+    assert torch.count_nonzero(flow.get_parameter("parametrizations.theta.original")) == 0
+    torch.testing.assert_close(flow.theta, start)
+
+
+def test_stages_with_one_pyramid_share_its_levels(brain2d: Image) -> None:
+    from regkit.engine import _Context
+
+    config = _config(_linear_stage("affine", [2, 2]), _cpab_stage(2, [2, 2]), dim=2)
+    ctx = _Context(brain2d, brain2d, config, None, None, torch.device("cpu"), None, None, None)
+    assert ctx.levels(config.stages[0]) is ctx.levels(config.stages[1])
