@@ -7,11 +7,11 @@ and accuracy), or with ``TRITON_INTERPRET=1`` on a CPU (accuracy only). Prints:
   in float32, each against ``matrix_exp`` in float64 (largest relative error per matrix);
 * CUDA: first every kernel variant used below, by the GPU tests and by ``regkit bench cpab`` is compiled, in parallel
   processes that fill Triton's cache; then per case (2D 32x32 batch 16, 3D 8^3 batch 8, 3D 16^3 batch 8, 125,000
-  points; the 160 x 192 x 224 registration grid, 16^3; T = 50) the ms of the step matrices and their adjoint, of the
-  forward and backward kernels for several blocks / warps and checkpoint spacings and on points sorted by their
-  starting cells (how much the scattered reads of the step-matrix table cost), of a whole forward + backward
+  points; the 160 x 192 x 224 registration grid, 16^3; T = 50) the ms of the step matrices and their adjoint, of
+  sorting the points by cell, of the forward and backward kernels for two checkpoint spacings on the points in
+  their own order and sorted by cell (what the scattered reads of the step-matrix table cost), of a forward + backward
   through ``integrate`` (peak MiB above the inputs) and of the same captured in a CUDA graph (the GPU's time without
-  the host's launch overhead), best of 10.
+  the host's launch overhead), best of 10; and the fixed cost of a call (64 points) with a profile of its host time.
 """
 
 import multiprocessing
@@ -32,7 +32,6 @@ from regkit_kernels.cpab import step_matrices_vjp as fused_step_matrices_vjp
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = "cuda" if CUDA else "cpu"
 STEPS = 50
-LAUNCH = [(128, 4), (256, 4), (64, 2), (128, 2)]  # (points per program, warps): the first is the default
 REGISTRATION_GRID = (160, 192, 224)
 
 
@@ -61,16 +60,17 @@ def accuracy() -> None:
             )
 
 
-def _compile(spec: tuple[int, bool, int, bool, int, int]) -> str:
-    """Compile one variant (run in a child process): ``(ndim, divide, checkpoint_every, point_grad, block, warps)``."""
-    ndim, divide, every, point_grad, block, warps = spec
-    fused_ops._BLOCK, fused_ops._NUM_WARPS = block, warps
+def _compile(spec: tuple[int, bool, int, bool, bool]) -> str:
+    """Compile one variant (run in a child process): ``(ndim, divide, checkpoint_every, point_grad, sort)``."""
+    ndim, divide, every, point_grad, sort = spec
+    fused_ops._SORT_MIN = 0
     tess = Tessellation((2,) * ndim, (-1.0,) * ndim, (2.0,) * ndim) if divide else Tessellation((2,) * ndim)
-    A = 0.1 * torch.randn(1, tess.n_cells, ndim, ndim + 1, device=DEVICE)
-    points = torch.rand(1, 64, ndim, device=DEVICE)
+    A = 0.1 * torch.randn(2, tess.n_cells, ndim, ndim + 1, device=DEVICE)
+    points = torch.rand(64, ndim, device=DEVICE).expand(2, -1, -1)
+    order = fused_ops.point_order(points, tess) if sort else None
     E = fused_step_matrices(A, 0.02)
-    out, checkpoints = cpab_fwd(points, E, tess, STEPS, every)
-    _, grad_E = cpab_bwd(points, checkpoints, torch.randn_like(out), E, tess, STEPS, every, True, point_grad)
+    out, checkpoints = cpab_fwd(points, E, tess, STEPS, every, order)
+    _, grad_E = cpab_bwd(points, checkpoints, torch.randn_like(out), E, tess, STEPS, every, True, point_grad, order)
     fused_step_matrices_vjp(A, 0.02, grad_E)
     if divide and every == 5:  # the float64 step-matrix kernels, for accuracy()
         fused_step_matrices_vjp(A.double(), 0.02, fused_step_matrices(A.double(), 0.02))
@@ -81,13 +81,13 @@ def _compile(spec: tuple[int, bool, int, bool, int, int]) -> str:
 
 def warm_up() -> None:
     """Compile the variants that the tests (float32, boxes [-1, 2]: dividing; checkpoints every 5, 8, 50 steps; point
-    gradients), the bench (unit boxes; every 5 and 50 steps; no point gradients) and :func:`timings` use."""
-    specs = {(n, True, every, True, *LAUNCH[0]) for n in (2, 3) for every in (5, 8, 50)}
-    specs |= {(n, False, every, False, *LAUNCH[0]) for n in (2, 3) for every in (5, 50)}
-    specs |= {(n, False, 5, False, *launch) for n in (2, 3) for launch in LAUNCH[1:]}
+    gradients), the bench (unit boxes; every 5 and 50 steps; no point gradients) and :func:`timings` use, sorted
+    (shared points) and not."""
+    specs = [(n, True, every, True, sort) for n in (2, 3) for every in (5, 8, 50) for sort in (False, True)]
+    specs += [(n, False, every, False, sort) for n in (2, 3) for every in (5, STEPS) for sort in (False, True)]
     start = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(min(len(specs), os.cpu_count() or 1)) as pool:
-        done = pool.map(_compile, sorted(specs))
+        done = pool.map(_compile, specs)
     print(f"compiled {len(done)} variants in parallel: {time.perf_counter() - start:.1f} s", flush=True)
 
 
@@ -140,24 +140,24 @@ def timings(shape: tuple[int, ...], batch: int, points: int = 125_000) -> None:
         f"{ms(lambda: fused_step_matrices_vjp(A, h, G)):.3f} ms",
         flush=True,
     )
-    for block, warps in LAUNCH:
-        fused_ops._BLOCK, fused_ops._NUM_WARPS = block, warps
-        for every in (5, STEPS) if (block, warps) == LAUNCH[0] else (5,):
-            _, checkpoints = cpab_fwd(batched, E, tess, STEPS, every)
-            fwd = ms(lambda every=every: cpab_fwd(batched, E, tess, STEPS, every))
-            bwd = ms(lambda c=checkpoints, every=every: cpab_bwd(batched, c, w, E, tess, STEPS, every, True, False))
+    fused_ops._ORDERS.clear()
+    sort = ms(lambda: (fused_ops._ORDERS.clear(), fused_ops.point_order(batched, tess)))
+    order = fused_ops.point_order(batched, tess)
+    print(f"  sorting the points by cell: {sort:.3f} ms" if order is not None else "  points not sorted")
+    for kernel_order in (None, order) if order is not None else (None,):
+        for every in (5, STEPS):
+            _, checkpoints = cpab_fwd(batched, E, tess, STEPS, every, kernel_order)
+            fwd = ms(lambda every=every, o=kernel_order: cpab_fwd(batched, E, tess, STEPS, every, o))
+            bwd = ms(
+                lambda c=checkpoints, every=every, o=kernel_order: cpab_bwd(
+                    batched, c, w, E, tess, STEPS, every, True, False, o
+                )
+            )
             print(
-                f"  block {block}, {warps} warps, checkpoints every {every}: "
-                f"forward {fwd:.3f} ms, backward {bwd:.3f} ms",
+                f"  {'sorted' if kernel_order is not None else 'unsorted'}, checkpoints every {every}: "
+                f"forward kernel {fwd:.3f} ms, backward kernel {bwd:.3f} ms",
                 flush=True,
             )
-    fused_ops._BLOCK, fused_ops._NUM_WARPS = LAUNCH[0]
-    if points:  # the same points in the order of their starting cells: neighbouring threads read neighbouring rows
-        coherent = pts[torch.argsort(tess.locate(pts))].expand(batch, -1, -1)
-        _, checkpoints = cpab_fwd(coherent, E, tess, STEPS, 5)
-        fwd = ms(lambda: cpab_fwd(coherent, E, tess, STEPS, 5))
-        bwd = ms(lambda: cpab_bwd(coherent, checkpoints, w, E, tess, STEPS, 5, True, False))
-        print(f"  points sorted by cell: forward {fwd:.3f} ms, backward {bwd:.3f} ms", flush=True)
     for every in (5, STEPS):
 
         def whole(every: int = every) -> None:
@@ -172,7 +172,7 @@ def timings(shape: tuple[int, ...], batch: int, points: int = 125_000) -> None:
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         try:
             replay = f"{graph_ms(whole):.3f} ms"
-        except RuntimeError as error:  # capture not possible: report why
+        except Exception as error:  # capture not possible: report why
             replay = f"failed ({str(error).splitlines()[0][:80]})"
         print(
             f"  integrate forward + backward, every {every}: {best:.3f} ms (peak {peak:.1f} MiB); CUDA graph {replay}",
@@ -193,6 +193,10 @@ def overhead() -> None:
         (out * w).sum().backward()
 
     print(f"fixed cost: forward + backward on 64 points, 2D 8x8, batch 16: {ms(whole):.3f} ms", flush=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        whole()
+        torch.cuda.synchronize()
+    print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
 
 
 if __name__ == "__main__":

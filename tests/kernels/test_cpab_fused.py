@@ -121,11 +121,20 @@ def test_gradients_equal_factorized_torch(ndim, boundary, dtype):
 
 
 @pytest.mark.parametrize("ndim", [2, 3])
+@pytest.mark.parametrize("sort", [False, True])
 @pytest.mark.usefixtures("same_step_matrices")
-def test_shared_points_and_partial_gradients(ndim):
+def test_shared_points_and_partial_gradients(ndim, sort, monkeypatch):
     """Unbatched points shared by a batch of theta (a stride-0 batch), segments longer than the run, and each
-    gradient alone."""
+    gradient alone; with ``sort``, the kernels take the points in the order of their starting cells."""
+    import regkit_kernels.cpab.ops as ops
+
+    monkeypatch.setattr(ops, "_SORT_MIN", 0 if sort else 1 << 30)
     basis, theta, points = _case(ndim, 1, "free", torch.float64, n_random=100, batch=3)
+    order = ops.point_order(points[0].expand(3, -1, -1), basis.tess)
+    assert (order is not None) == sort
+    if sort:
+        assert not torch.equal(order.long(), torch.arange(len(order)))
+        assert torch.equal(order.long().sort().values, torch.arange(len(order)))
     shared = points[0]
     grad = torch.randn(3, *shared.shape, dtype=torch.float64)
     want = _gradients(shared, theta, basis, grad, "torch", 5, 8)
@@ -160,20 +169,29 @@ def test_long_checkpoint_spacing(ndim, which, every):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "ndim,shape,batch,every",
-    [(2, (16, 16), 4, 5), (2, (5, 7), 2, 50), (3, (8, 8, 8), 2, 5), (3, (8, 8, 8), 2, 50), (3, (3, 4, 5), 2, 8)],
+    "ndim,shape,batch,every,shared",
+    [
+        (2, (16, 16), 4, 5, False),
+        (2, (16, 16), 4, 5, True),
+        (2, (5, 7), 2, 50, False),
+        (3, (8, 8, 8), 2, 5, True),
+        (3, (8, 8, 8), 2, 50, False),
+        (3, (3, 4, 5), 2, 8, False),
+    ],
 )
 @pytest.mark.usefixtures("same_step_matrices")
-def test_realistic_sizes_gpu(ndim, shape, batch, every):
+def test_realistic_sizes_gpu(ndim, shape, batch, every, shared):
     """Realistic sizes on the GPU: end points equal the reference, gradients equal the torch path's (float32), and two
     runs give gradients equal up to the reordering of float atomics; every output element is written. Checkpoints
-    every 5 steps, every 8 and none (every 50 of 50 steps)."""
+    every 5 steps, every 8 and none (every 50 of 50 steps); points of their own per batch element, or shared (then the
+    kernels take them sorted by cell)."""
     torch.manual_seed(sum(shape))
     tess = Tessellation(shape, (-1.0,) * ndim, (2.0,) * ndim)
     basis = cpa_basis(tess, "zero")
     theta = 3.0 * torch.randn(batch, basis.d, device="cuda")
     points = _points(tess, 50_000, batch, torch.float32, "cuda")
-    grad = torch.randn(points.shape, device="cuda")
+    points = points[0] if shared else points
+    grad = torch.randn(batch, *points.shape[-2:], device="cuda")
     want = _gradients(points, theta, basis, grad, "torch", 50, 5)
     got = _gradients(points, theta, basis, grad, "triton", 50, every)
     again = _gradients(points, theta, basis, grad, "triton", 50, every)
@@ -260,17 +278,18 @@ from regkit_kernels.cpab.expm import _step_matrices_kernel, _step_matrices_vjp_k
 from regkit_kernels.cpab.kernels import _cpab_bwd_kernel, _cpab_fwd_kernel
 
 point_kernels = [
-    (_cpab_fwd_kernel, {"DIVIDE": True}),
-    (_cpab_fwd_kernel, {"DIVIDE": False}),
-    (_cpab_bwd_kernel, {"SEG": 5, "SLOTS": 1, "MOMENTS": True, "POINTS": True, "DIVIDE": True}),
-    (_cpab_bwd_kernel, {"SEG": 5, "SLOTS": 10, "MOMENTS": True, "POINTS": False, "DIVIDE": False}),
+    (_cpab_fwd_kernel, {"DIVIDE": True, "PERMUTED": False}),
+    (_cpab_fwd_kernel, {"DIVIDE": False, "PERMUTED": True}),
+    (_cpab_bwd_kernel, {"SEG": 5, "SLOTS": 1, "MOMENTS": True, "POINTS": True, "DIVIDE": True, "PERMUTED": False}),
+    (_cpab_bwd_kernel, {"SEG": 5, "SLOTS": 10, "MOMENTS": True, "POINTS": False, "DIVIDE": False, "PERMUTED": True}),
 ]
 for kernel, consts in point_kernels + [(_step_matrices_kernel, {"DEG": 12}), (_step_matrices_vjp_kernel, {"DEG": 12})]:
     for ndim in (2, 3):
         start = time.perf_counter()
         constexprs = {"NDIM": ndim, "BLOCK": 128, **consts}
         signature = {
-            name: "constexpr" if name in constexprs else "*fp32" if name.endswith("_ptr") else
+            name: "constexpr" if name in constexprs else "*i32" if name == "perm_ptr" else
+            "*fp32" if name.endswith("_ptr") else
             "fp32" if name in ("h0", "h1", "h2") else "i32"
             for name in kernel.arg_names
         }

@@ -153,18 +153,40 @@ def _store_points(ptr, idx, x0, x1, x2, ok, NDIM: tl.constexpr):
 _SIZES = ["x_batch_stride", "B", "N", "C", "NX", "NY", "T", "K"]
 
 
+@triton.jit
+def _points_of(perm_ptr, idx, ok, PERMUTED: tl.constexpr):
+    """The points (their rows in the caller's tensors) that the lanes ``idx`` work on: ``perm[idx]`` or ``idx``."""
+    if PERMUTED:
+        p = tl.load(perm_ptr + idx, mask=ok, other=0)
+    else:
+        p = idx
+    return p
+
+
+@triton.jit(do_not_specialize=["N", "NX", "NY"])
+def _cell_kernel(x_ptr, geom_ptr, out_ptr, N, NX, NY, NDIM: tl.constexpr, DIVIDE: tl.constexpr, BLOCK: tl.constexpr):
+    """``out (N,)`` int32: the cell of each of the points ``x (N, NDIM)`` (the sort key of ``ops._order``)."""
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < N
+    x0, x1, x2 = _load_points(x_ptr, idx, ok, NDIM)
+    tl.store(out_ptr + idx, _locate(x0, x1, x2, _geometry(geom_ptr, NDIM), NX, NY, NDIM, DIVIDE), mask=ok)
+
+
 @triton.jit(do_not_specialize=_SIZES)
 def _cpab_fwd_kernel(
-    x_ptr, x_batch_stride, e_ptr, geom_ptr, out_ptr, ckpt_ptr, B, N, C, NX, NY, T, K, NDIM: tl.constexpr,
-    DIVIDE: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, x_batch_stride, perm_ptr, e_ptr, geom_ptr, out_ptr, ckpt_ptr, B, N, C, NX, NY, T, K, NDIM: tl.constexpr,
+    DIVIDE: tl.constexpr, PERMUTED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """``out (B, N, NDIM)`` = the points after ``T`` steps; ``ckpt (S - 1, B, N, NDIM)`` = the positions after K, 2K,
-    ... steps. ``x_ptr`` rows are contiguous, ``x_batch_stride`` apart (0 for points shared by the batch)."""
+    ... steps. ``x_ptr`` rows are contiguous, ``x_batch_stride`` apart (0 for points shared by the batch). With
+    ``PERMUTED``, lane ``i`` works on point ``perm[i]`` (points and ``out`` are read and written at that row, the
+    checkpoints are kept in lane order)."""
     b = tl.program_id(1).to(tl.int64)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < N
+    p = _points_of(perm_ptr, idx, ok, PERMUTED)
     geo = _geometry(geom_ptr, NDIM)
-    x0, x1, x2 = _load_points(x_ptr + b * x_batch_stride, idx, ok, NDIM)
+    x0, x1, x2 = _load_points(x_ptr + b * x_batch_stride, p, ok, NDIM)
     e_batch = e_ptr + b * C * (4 * NDIM)
     S = tl.cdiv(T, K)
     for seg in range(S):
@@ -172,7 +194,7 @@ def _cpab_fwd_kernel(
             _store_points(ckpt_ptr + ((seg - 1) * B + b) * N * NDIM, idx, x0, x1, x2, ok, NDIM)
         for _ in range(tl.minimum(K, T - seg * K)):
             x0, x1, x2, _cell = _step(e_batch, x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
-    _store_points(out_ptr + b * N * NDIM, idx, x0, x1, x2, ok, NDIM)
+    _store_points(out_ptr + b * N * NDIM, p, x0, x1, x2, ok, NDIM)
 
 
 @triton.jit
@@ -202,9 +224,9 @@ def _select(j, slots, SLOTS: tl.constexpr):
 
 @triton.jit(do_not_specialize=_SIZES)
 def _cpab_bwd_kernel(
-    x_ptr, x_batch_stride, ckpt_ptr, g_ptr, e_ptr, geom_ptr, gx_ptr, mom_ptr, B, N, C, NX, NY, T, K,
+    x_ptr, x_batch_stride, perm_ptr, ckpt_ptr, g_ptr, e_ptr, geom_ptr, gx_ptr, mom_ptr, B, N, C, NX, NY, T, K,
     NDIM: tl.constexpr, SEG: tl.constexpr, SLOTS: tl.constexpr, MOMENTS: tl.constexpr, POINTS: tl.constexpr,
-    DIVIDE: tl.constexpr, BLOCK: tl.constexpr,
+    DIVIDE: tl.constexpr, PERMUTED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The adjoint sweep: ``lambda_T = g``, then for ``s = T - 1 .. 0``: ``dL/dE_{c_s} += lambda_{s+1} [x_s; 1]^T``
     and ``lambda_s = E_lin(c_s)^T lambda_{s+1}``. Writes, when ``POINTS``, ``gx = lambda_0 (B, N, NDIM)`` and, when
@@ -215,12 +237,14 @@ def _cpab_bwd_kernel(
     sub-segments are taken last first: the ``SEG`` positions and cells of a sub-segment are recomputed (bit-identical
     to the forward, so the same cells ``c_s``) into registers (tuples, unrolled: ``SEG`` is a compile-time constant),
     then swept backward. A point's moment is accumulated in registers while it stays in one cell and added to the
-    table (one vector of atomics per row) when its cell changes, and once at the end."""
+    table (one vector of atomics per row) when its cell changes, and once at the end. ``PERMUTED`` as in the
+    forward kernel (``g`` and ``gx`` at the lanes' points, the checkpoints in lane order)."""
     b = tl.program_id(1).to(tl.int64)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < N
+    p = _points_of(perm_ptr, idx, ok, PERMUTED)
     geo = _geometry(geom_ptr, NDIM)
-    l0, l1, l2 = _load_points(g_ptr + b * N * NDIM, idx, ok, NDIM)
+    l0, l1, l2 = _load_points(g_ptr + b * N * NDIM, p, ok, NDIM)
     e_batch = e_ptr + b * C * (4 * NDIM)
     mom_batch = mom_ptr + b * C * (4 * NDIM)
     zero = tl.zeros([BLOCK], dtype=l0.dtype)
@@ -232,7 +256,7 @@ def _cpab_bwd_kernel(
         seg = S - 1 - i
         length = tl.minimum(K, T - seg * K)
         if seg == 0:
-            x0, x1, x2 = _load_points(x_ptr + b * x_batch_stride, idx, ok, NDIM)
+            x0, x1, x2 = _load_points(x_ptr + b * x_batch_stride, p, ok, NDIM)
         else:
             x0, x1, x2 = _load_points(ckpt_ptr + ((seg - 1) * B + b) * N * NDIM, idx, ok, NDIM)
         # Tuples grown by concatenation (Triton's code generator takes no starred elements). Steps past the end of a
@@ -293,4 +317,4 @@ def _cpab_bwd_kernel(
     if MOMENTS:
         _flush(mom_batch, current, current >= 0, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM)
     if POINTS:
-        _store_points(gx_ptr + b * N * NDIM, idx, l0, l1, l2, ok, NDIM)
+        _store_points(gx_ptr + b * N * NDIM, p, l0, l1, l2, ok, NDIM)

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from regkit_kernels.cpab.expm import padded_rows, step_matrices, step_matrices_vjp
-from regkit_kernels.cpab.kernels import _cpab_bwd_kernel, _cpab_fwd_kernel
+from regkit_kernels.cpab.kernels import _cell_kernel, _cpab_bwd_kernel, _cpab_fwd_kernel
 
 _BLOCK = 128  # points per program on the GPU (one per thread with 4 warps)
 _NUM_WARPS = 4
@@ -28,6 +28,9 @@ _INTERPRETER_BLOCK = 1 << 12  # under TRITON_INTERPRET=1 every program costs Pyt
 _DTYPES = (torch.float32, torch.float64)
 _SEGMENT = 5  # steps per unrolled sub-segment of the backward kernel (compile time grows about as its cube)
 _GEOMETRY: dict[tuple[Any, ...], tuple[Tensor, bool]] = {}
+_SORT_MIN = 1 << 14  # shared points below this many are not worth sorting
+_ORDERS: dict[tuple[Any, ...], Tensor] = {}  # the last few point orders (any order gives the same results)
+_ORDERS_KEPT = 4
 
 
 class Box(Protocol):
@@ -96,12 +99,49 @@ def _launch_args(points: Tensor, tess: Box) -> tuple[tuple[int, int], int, int, 
     return (triton.cdiv(N, block), B), block, tess.shape[0], tess.shape[1]
 
 
-def cpab_fwd(points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: int) -> tuple[Tensor, Tensor]:
+def point_order(points: Tensor, tess: Box) -> Tensor | None:
+    """An order of the points in which neighbouring lanes start in neighbouring cells (int32 ``(N,)``, sorted by
+    starting cell), or ``None`` where sorting does not pay: unless ``points (B, N, n)`` are shared by the batch
+    (stride 0), ``B >= 2`` and ``N >= _SORT_MIN``. The flow keeps neighbours together, so the kernels' reads of the
+    step-matrix table stay coherent within a warp through all steps (random points: about half the kernels' time).
+    The order of the same, unmodified tensor is reused (any order gives the same results, so a reused one can cost
+    speed only)."""
+    B, N, n = points.shape
+    if points.stride(0) != 0 or B < 2 or N < _SORT_MIN:
+        return None
+    shape = tuple(tess.shape)
+    key = (
+        points.data_ptr(),
+        points._version,
+        N,
+        n,
+        shape,
+        tuple(map(float, tess.lower)),
+        tuple(map(float, tess.upper)),
+    )
+    if key not in _ORDERS:
+        shared = _rows(points)[0]
+        geometry, divide = _geometry(tess, points.dtype, points.device)
+        cells = torch.empty(N, dtype=torch.int32, device=points.device)
+        _cell_kernel[(triton.cdiv(N, _BLOCK),)](
+            shared, geometry, cells, N, shape[0], shape[1], NDIM=n, DIVIDE=divide, BLOCK=_BLOCK, num_warps=_NUM_WARPS
+        )
+        if len(_ORDERS) >= _ORDERS_KEPT:
+            del _ORDERS[next(iter(_ORDERS))]
+        _ORDERS[key] = torch.argsort(cells).to(torch.int32)
+    return _ORDERS[key]
+
+
+def cpab_fwd(
+    points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: int, order: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """The expm-step scheme for ``steps`` steps with step matrices ``E (B, C, n, n + 1)`` (or in padded rows,
     ``expm.padded_rows``) from ``points (B, N, n)``
     (domain coordinates; the batch dimension may be a stride-0 broadcast). Returns the end points ``(B, N, n)`` and the
     checkpoints ``(S - 1, B, N, n)``: the positions after ``K, 2K, ...`` steps, ``S = ceil(steps / K)`` (the backward
-    pass takes the points themselves for the first segment; ``K >= steps`` stores none)."""
+    pass takes the points themselves for the first segment; ``K >= steps`` stores none). ``order`` (int32 ``(N,)``, a
+    permutation, :func:`point_order`) assigns the points to the kernel's lanes; the checkpoints are kept in its order
+    (pass the same to :func:`cpab_bwd`)."""
     _check(points, E, tess, steps, checkpoint_every)
     B, N, n = points.shape
     points, E = _rows(points), padded_rows(E)
@@ -110,9 +150,9 @@ def cpab_fwd(points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every:
     checkpoints = points.new_empty((-(-steps // checkpoint_every) - 1, B, N, n))
     grid, block, nx, ny = _launch_args(points, tess)
     _cpab_fwd_kernel[grid](
-        points, points.stride(0), E, geometry, out, _or(checkpoints, points),
+        points, points.stride(0), points if order is None else order, E, geometry, out, _or(checkpoints, points),
         B, N, E.shape[1], nx, ny, steps, checkpoint_every,
-        NDIM=n, DIVIDE=divide, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
+        NDIM=n, DIVIDE=divide, PERMUTED=order is not None, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return out, checkpoints
 
@@ -127,13 +167,15 @@ def cpab_bwd(
     checkpoint_every: int,
     moments: bool,
     point_grad: bool = True,
+    order: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """The fused factorized adjoint for ``grad_out = dL/dx_T (B, N, n)``, given the forward pass's points and
     checkpoints (every ``checkpoint_every`` steps, as :func:`cpab_fwd` stores them): returns, when ``point_grad``,
     ``dL/dpoints (B, N, n)`` and, when ``moments``, ``dL/dE (B, C, n, 4)`` in padded rows (the per-cell moments
     ``sum lambda_{s+1} [x_s; 1]^T``; float atomics, so the summation order varies between runs). The kernel sweeps
     sub-segments of ``min(checkpoint_every, 5)`` unrolled steps; longer stored segments are first recomputed into
-    register checkpoints (one more pass of the scheme over them, in exchange for less memory)."""
+    register checkpoints (one more pass of the scheme over them, in exchange for less memory). ``order``: the forward
+    pass's."""
     B, N, n = grad_out.shape
     checkpoint_every = min(checkpoint_every, steps)
     points, grad_out, E = _rows(points), grad_out.contiguous(), padded_rows(E)
@@ -143,11 +185,11 @@ def cpab_bwd(
     segment = min(checkpoint_every, _SEGMENT)
     grid, block, nx, ny = _launch_args(grad_out, tess)
     _cpab_bwd_kernel[grid](
-        points, points.stride(0), _or(checkpoints, points), grad_out, E, geometry,
+        points, points.stride(0), points if order is None else order, _or(checkpoints, points), grad_out, E, geometry,
         grad_out if grad_points is None else grad_points, E if grad_E is None else grad_E,
         B, N, E.shape[1], nx, ny, steps, checkpoint_every,
         NDIM=n, SEG=segment, SLOTS=-(-checkpoint_every // segment), MOMENTS=moments, POINTS=point_grad,
-        DIVIDE=divide, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
+        DIVIDE=divide, PERMUTED=order is not None, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return grad_points, grad_E
 
@@ -165,8 +207,9 @@ class CPABIntegrateTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, points: Tensor, A: Tensor, tess: Box, t: float, steps: int, checkpoint_every: int) -> Tensor:
         E = step_matrices(A, t / steps)
-        out, checkpoints = cpab_fwd(points, E, tess, steps, checkpoint_every)
-        ctx.save_for_backward(points, A, E, checkpoints)
+        order = point_order(points, tess)
+        out, checkpoints = cpab_fwd(points, E, tess, steps, checkpoint_every, order)
+        ctx.save_for_backward(points, A, E, checkpoints, order)
         ctx.tess, ctx.h, ctx.steps, ctx.checkpoint_every = tess, t / steps, steps, checkpoint_every
         return out
 
@@ -176,9 +219,9 @@ class CPABIntegrateTriton(torch.autograd.Function):
         need_points, need_A = ctx.needs_input_grad[:2]
         if not (need_points or need_A):
             return None, None, None, None, None, None
-        points, A, E, checkpoints = ctx.saved_tensors
+        points, A, E, checkpoints, order = ctx.saved_tensors
         grad_points, grad_E = cpab_bwd(
-            points, checkpoints, grad_out, E, ctx.tess, ctx.steps, ctx.checkpoint_every, need_A, need_points
+            points, checkpoints, grad_out, E, ctx.tess, ctx.steps, ctx.checkpoint_every, need_A, need_points, order
         )
         grad_A = step_matrices_vjp(A, ctx.h, grad_E) if grad_E is not None else None
         return grad_points, grad_A, None, None, None, None
