@@ -378,7 +378,8 @@ def cpab(
         f"runs; peak memory in MiB above the inputs ({memory}); gradient = the backward pass, or for forward "
         "sensitivity the whole sensitivity integration; first s = the first (warm-up) call on 64 points, which "
         "includes compiling the fused kernels when Triton's cache is cold; skipped (cap) = predicted over the time or "
-        "memory cap. The fused method runs on CUDA only."
+        "memory cap; G pt-steps/s = B N T scheme steps per second of the forward column. The fused methods run on "
+        "CUDA only; 'fused, no checkpoints' stores none (checkpoint_every = T)."
     )
     console.print(settings)
     flags = f"--device {device.value}{' --quick' if quick else ''}{'' if threads is None else f' --threads {threads}'}"
