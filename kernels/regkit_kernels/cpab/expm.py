@@ -16,6 +16,8 @@ last row of every power is ``(0, .., 0, 1)``, so only the top ``n`` rows are com
 of its block-triangular matrix.
 """
 
+from typing import Any  # noqa: F401  (the type comments of the tuples built in the kernels)
+
 import numpy as np
 import torch
 import triton
@@ -35,7 +37,7 @@ def _float64(h0, h1, h2):
 @triton.jit
 def _mm(a, b, Q: tl.constexpr):
     """``a @ b`` for row-major ``Q x Q`` matrices held as tuples of ``Q * Q`` tensors."""
-    out = ()
+    out = ()  # type: tuple[Any, ...]
     for i in tl.static_range(Q):
         for j in tl.static_range(Q):
             s = a[i * Q] * b[j]
@@ -50,7 +52,7 @@ def _mm_top(a, b, NDIM: tl.constexpr):
     """Top ``NDIM`` rows of ``a @ b`` for ``(NDIM + 1)``-square matrices whose last row is ``(0, .., 0, 1)``, held as
     their top rows (tuples of ``NDIM (NDIM + 1)`` tensors, row-major)."""
     Q: tl.constexpr = NDIM + 1
-    out = ()
+    out = ()  # type: tuple[Any, ...]
     for i in tl.static_range(NDIM):
         for j in tl.static_range(Q):
             s = a[i * Q] * b[j]
@@ -64,7 +66,7 @@ def _mm_top(a, b, NDIM: tl.constexpr):
 
 @triton.jit
 def _scale(a, f, SIZE: tl.constexpr):
-    out = ()
+    out = ()  # type: tuple[Any, ...]
     for i in tl.static_range(SIZE):
         out = out + (a[i] * f,)  # noqa: RUF005
     return out
@@ -72,7 +74,7 @@ def _scale(a, f, SIZE: tl.constexpr):
 
 @triton.jit
 def _add(a, b, SIZE: tl.constexpr):
-    out = ()
+    out = ()  # type: tuple[Any, ...]
     for i in tl.static_range(SIZE):
         out = out + (a[i] + b[i],)  # noqa: RUF005
     return out
@@ -81,7 +83,7 @@ def _add(a, b, SIZE: tl.constexpr):
 @triton.jit
 def _plus_identity(a, ROWS: tl.constexpr, Q: tl.constexpr):
     """``a + I`` for the top ``ROWS`` rows of a ``Q``-square matrix."""
-    out = ()
+    out = ()  # type: tuple[Any, ...]
     for i in tl.static_range(ROWS):
         for j in tl.static_range(Q):
             if i == j:
@@ -93,7 +95,7 @@ def _plus_identity(a, ROWS: tl.constexpr, Q: tl.constexpr):
 
 @triton.jit
 def _select(cond, a, b, SIZE: tl.constexpr):
-    out = ()
+    out = ()  # type: tuple[Any, ...]
     for i in tl.static_range(SIZE):
         out = out + (tl.where(cond, a[i], b[i]),)  # noqa: RUF005
     return out
@@ -128,7 +130,7 @@ def _step_matrices_kernel(
     h = _float64(h0, h1, h2)
     row = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     ok = row < R
-    m = ()
+    m = ()  # type: tuple[Any, ...]
     for i in tl.static_range(NDIM * Q):
         m = m + (tl.load(a_ptr + row * (NDIM * Q) + i, mask=ok, other=0.0).to(tl.float64) * h,)  # noqa: RUF005
     s = _scaling(_row_sums(m, NDIM, Q))
@@ -161,8 +163,8 @@ def _step_matrices_vjp_kernel(
     row = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     ok = row < R
     zero = tl.zeros([BLOCK], dtype=tl.float64)
-    y = ()  # X^T
-    g = ()
+    y = ()  # type: tuple[Any, ...]  # X^T
+    g = ()  # type: tuple[Any, ...]
     for i in tl.static_range(Q):
         for j in tl.static_range(Q):
             if j < NDIM:
