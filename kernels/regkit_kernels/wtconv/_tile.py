@@ -316,27 +316,24 @@ def _store_blocks3d(ptrs, v0, v1, v2, v3, v4, v5, v6, v7, qz, qy, qx, ok, D, H, 
     _store_blocks2d(p1, v4, v5, v6, v7, qy, qx, ok1, H, W)
 
 
-# Weight gradients: one launch for all levels. The gradient of a depthwise K x K kernel is a correlation,
-# ``G[uy, ux] = sum over rows r and columns q of A(r, q) * B(r + uy, q + ux)``. A program takes one tap row uy and a
-# share of the rows (SPAN consecutive (batch item[, z], y) rows of one channel) and computes it with matrix products:
-# for a block of 32 - 2P columns, ``A^T B`` over a block of rows holds every (column, column + ux) pair, and the taps
-# are its diagonals (summed once at the end). Each loaded value then serves all K column taps, and the products run on
-# the tensor cores. Every (level, share, channel, tap row[s]) is one program that writes its taps into one row of
-# partial sums; a second kernel adds the rows up. 2D grids are 3D grids of depth 1.
+# Weight gradients: one launch for all levels. Level j's (batch item, position) pairs of a channel are cut into
+# cdiv(B * Q_j, SPAN) shares of SPAN consecutive pairs; every (level, share, channel[, z tap]) is one program, which
+# writes one row of partial sums; a second kernel adds the rows up. 2D grids are 3D grids of depth 1.
 
 
 @triton.jit
 def _level_shares(j, B, D, H, W, SPAN):
-    """Partial-sum rows (shares of SPAN grid rows) of level j: its grid is every axis halved j times, rounding up."""
-    return tl.cdiv(B * ((D + (1 << j) - 1) >> j) * ((H + (1 << j) - 1) >> j), SPAN)
+    """Partial-sum rows (shares of SPAN positions) of level j: its grid is every axis halved j times, rounding up."""
+    q = ((D + (1 << j) - 1) >> j) * ((H + (1 << j) - 1) >> j) * ((W + (1 << j) - 1) >> j)
+    return tl.cdiv(B * q, SPAN)
 
 
 @triton.jit
 def _wgrad_plan(pid, B, C, PROGRAMS_PER_SHARE, D, H, W, SPAN, LEVELS: tl.constexpr):
-    """This weight-gradient program's level j (1-based), its index among that level's programs, the level's first
-    partial-sum row, the offset of the level's input in the low-pass buffers (level j >= 2 reads the low-pass of
-    level j - 1; levels 1..L-1 lie one after the other, B x C planes each), the level's input size (D, H, W) and the
-    number of partial-sum rows of all levels."""
+    """This weight-gradient program's level j (1-based), its index among that level's programs, its partial-sum row
+    before the share is added, the offset of the level's input in the low-pass buffers (level j >= 2 reads the
+    low-pass of level j - 1; levels 1..L-1 lie one after the other, B x C planes each), the level's input size
+    (D, H, W) and the number of partial-sum rows of all levels."""
     start = 0
     rows = 0
     offset = tl.cast(0, tl.int64)
@@ -369,14 +366,6 @@ def _wgrad_plan(pid, B, C, PROGRAMS_PER_SHARE, D, H, W, SPAN, LEVELS: tl.constex
         h_prev = (H + (1 << j) - 1) >> j
         w_prev = (W + (1 << j) - 1) >> j
     return level, local, row0, low_offset, d_in, h_in, w_in, rows
-
-
-@triton.jit
-def _store_diagonals(ptrs, acc, K: tl.constexpr):
-    """Store ``sum_m acc[m, m + tx]`` for tx = 0..K-1 at ``ptrs + tx``: the K column taps of a correlation block."""
-    d = tl.arange(0, acc.shape[1])[None, :] - tl.arange(0, acc.shape[0])[:, None]
-    for tx in tl.static_range(K):
-        tl.store(ptrs + tx, tl.sum(tl.sum(tl.where(d == tx, acc, 0.0), axis=1), axis=0))
 
 
 @triton.jit

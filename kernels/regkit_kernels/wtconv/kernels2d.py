@@ -10,14 +10,13 @@ import triton
 import triton.language as tl
 
 from regkit_kernels.wtconv._tile import (
+    _block2d,
     _butterfly2d,
     _coarse_synthesis2d,
     _haar_block2d,
     _haar_conv2d,
-    _load2d,
     _polyphase_conv2d,
     _store_blocks2d,
-    _store_diagonals,
     _tile_coords,
     _wgrad_plan,
 )
@@ -202,71 +201,60 @@ def _wtconv2d_bwd_kernel(
 
 
 @triton.jit
-def _wgrad2d_bands(
-    g_ptr, src_ptr, out_ptr, c, ty, pair, share, C, B, H, W, Hq, Wq, SPAN,
-    K: tl.constexpr, ROWS: tl.constexpr, DOT: tl.constexpr,
+def _wgrad2d_level(
+    g_ptr, src_ptr, part_ptr, c, share, row, C, B, H, W, Hq, Wq, base_off, SPAN,
+    K: tl.constexpr, BASE: tl.constexpr, TAPS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Weight-gradient sums of sub-bands 2 * pair and 2 * pair + 1 of one level, tap row ``ty``, over one share (SPAN
-    consecutive (batch item, y) rows of the level's grid) of channel c, as correlations by matrix products (see
-    ``_tile.py``): ``G[b, ty, tx] = sum_q dZ_b(q) Y_b(q + u)`` with dZ and Y the unnormalised sub-bands of g and src,
-    stored at ``out_ptr + b * K * K + ty * K + tx``. Two bands per program keep the registers below 255."""
-    P: tl.constexpr = K // 2
-    COLS: tl.constexpr = 32 - 2 * P  # level columns per block: the products' 32 columns cover them and the halo
-    uy = ty - P
-    m = tl.arange(0, 32)
-    kr = tl.arange(0, ROWS)
-    acc_a = tl.zeros([32, 32], tl.float32)
-    acc_b = tl.zeros([32, 32], tl.float32)
-    end = tl.minimum(share * SPAN + SPAN, B * Hq)
-    for r0 in range(share * SPAN, end, ROWS):
-        r = r0 + kr
-        r_ok = r < end
-        qy = r % Hq
-        plane = (r // Hq * C + c).to(tl.int64) * H * W
-        for q0 in range(0, Wq, COLS):
-            # A = the gradient's sub-bands at columns q0 + m (m < COLS), B = the source's at q0 - P + n, rows + uy
-            a_ok = r_ok[None, :] & (m < COLS)[:, None]
-            d0, d1, d2, d3 = _haar_block2d(g_ptr + plane[None, :], 2 * qy[None, :], 2 * (q0 + m)[:, None], a_ok, H, W)
-            y = 2 * (qy + uy)[:, None]
-            u0, u1, u2, u3 = _haar_block2d(src_ptr + plane[:, None], y, 2 * (q0 - P + m)[None, :], r_ok[:, None], H, W)
-            first = pair == 0
-            acc_a += tl.dot(tl.where(first, d0, d2), tl.where(first, u0, u2), input_precision=DOT)
-            acc_b += tl.dot(tl.where(first, d1, d3), tl.where(first, u1, u3), input_precision=DOT)
-    out = out_ptr + 2 * pair * K * K + ty * K
-    _store_diagonals(out, acc_a, K)
-    _store_diagonals(out + K * K, acc_b, K)
+    """One level's weight-gradient sums over one share (SPAN consecutive (batch item, position) pairs) of channel c:
+    tile [TAPS, BLOCK] = every tap x BLOCK positions, products accumulated in registers and summed once.
 
-
-@triton.jit
-def _wgrad2d_base(
-    g_ptr, src_ptr, out_ptr, bias_ptr, c, ty, share, C, B, H, W, Hq, SPAN,
-    K: tl.constexpr, ROWS: tl.constexpr, DOT: tl.constexpr,
-):  # fmt: skip
-    """The base conv's weight-gradient sums ``Gb[ty, tx] = sum_y g(y) src(y + u)`` (g = dy, src = x) over the pixel
-    rows of one share of level-1 rows, stored at ``out_ptr + ty * K + tx``; for ty = 0 also ``sum_y g(y)`` at
-    ``bias_ptr``."""
+    ``G[b, t] = sum_q dZ_b(q) Y_b(q + u_t)`` with dZ and Y the unnormalised sub-bands of g and src, into partial row
+    ``row``; with BASE (level 1, src = x, g = dy) also ``Gb[t] = sum_y g(y) src(y + u_t)`` and ``sum_y g(y)`` into the
+    base rows (at ``base_off``)."""
     P: tl.constexpr = K // 2
-    PIX: tl.constexpr = 32 - 2 * P  # pixel columns per block
-    uy = ty - P
-    kp = tl.arange(0, 2 * ROWS)  # pixel rows: level row kp // 2, sub-row kp % 2
-    m = tl.arange(0, 32)
-    acc = tl.zeros([32, 32], tl.float32)
-    acc_bias = tl.zeros([32, 2 * ROWS], tl.float32)
-    end = tl.minimum(share * SPAN + SPAN, B * Hq)
-    for r0 in range(share * SPAN, end, ROWS):
-        rp = r0 + kp // 2
-        rp_ok = rp < end
-        yp = 2 * (rp % Hq) + kp % 2
-        plane = (rp // Hq * C + c).to(tl.int64) * H * W
-        for x0 in range(0, W, PIX):
-            a_ok = rp_ok[None, :] & (m < PIX)[:, None]
-            ga = _load2d(g_ptr + plane[None, :], yp[None, :], (x0 + m)[:, None], a_ok, H, W)
-            xb = _load2d(src_ptr + plane[:, None], (yp + uy)[:, None], (x0 - P + m)[None, :], rp_ok[:, None], H, W)
-            acc += tl.dot(ga, xb, input_precision=DOT)
-            acc_bias += ga
-    _store_diagonals(out_ptr + ty * K, acc, K)
-    if ty == 0:
-        tl.store(bias_ptr, tl.sum(tl.sum(acc_bias, axis=1), axis=0))
+    KK: tl.constexpr = K * K
+    t = tl.arange(0, TAPS)
+    uy = (t // K - P)[:, None]
+    ux = (t % K - P)[:, None]
+    tap_ok = (t < KK)[:, None]
+    acc0 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc1 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc2 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc3 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc_base = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc_bias = tl.zeros([1, BLOCK], tl.float32)
+    Q = Hq * Wq
+    end = tl.minimum(share * SPAN + SPAN, B * Q)
+    for start in range(share * SPAN, end, BLOCK):
+        n = start + tl.arange(0, BLOCK)[None, :]
+        ok = n < end
+        q = n % Q
+        qy = q // Wq
+        qx = q % Wq
+        plane = (n // Q * C + c).to(tl.int64) * H * W
+        g00, g01, g10, g11 = _block2d(g_ptr + plane, 2 * qy, 2 * qx, ok, H, W)
+        d0, d1, d2, d3 = _butterfly2d(g00, g01, g10, g11)
+        src = src_ptr + plane
+        ll, lh, hl, hh = _haar_block2d(src, 2 * (qy + uy), 2 * (qx + ux), ok & tap_ok, H, W)
+        acc0 += d0 * ll
+        acc1 += d1 * lh
+        acc2 += d2 * hl
+        acc3 += d3 * hh
+        if BASE:
+            a, b, cc, d = _block2d(src, 2 * qy + uy, 2 * qx + ux, ok & tap_ok, H, W)
+            acc_base += g00 * a + g01 * b + g10 * cc + g11 * d
+            acc_bias += g00 + g01 + g10 + g11
+    t_ok = t < KK
+    out = part_ptr + (row * C + c) * 4 * KK + t
+    tl.store(out, tl.sum(acc0, axis=1), mask=t_ok)
+    tl.store(out + KK, tl.sum(acc1, axis=1), mask=t_ok)
+    tl.store(out + 2 * KK, tl.sum(acc2, axis=1), mask=t_ok)
+    tl.store(out + 3 * KK, tl.sum(acc3, axis=1), mask=t_ok)
+    if BASE:
+        shares1 = tl.cdiv(B * Q, SPAN)
+        tl.store(part_ptr + base_off + (share * C + c) * KK + t, tl.sum(acc_base, axis=1), mask=t_ok)
+        bias_sum = tl.sum(acc_bias, axis=1)  # [1]
+        tl.store(part_ptr + base_off + shares1 * C * KK + share * C + c + tl.arange(0, 1), bias_sum)
 
 
 @triton.jit
@@ -278,7 +266,7 @@ def _wtconv2d_wgrad_kernel(
     glow_ptr,
     low_ptr,
     part_ptr,
-    # sizes; SPAN: grid rows per share
+    # sizes
     B,
     C,
     H,
@@ -286,31 +274,22 @@ def _wtconv2d_wgrad_kernel(
     SPAN,
     LEVELS: tl.constexpr,
     K: tl.constexpr,
-    ROWS: tl.constexpr,
-    DOT: tl.constexpr,
+    TAPS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """Weight gradients of every level (and of the base conv and bias) in one launch: program = (level, share, part,
-    tap row, channel), see ``_wgrad_plan``; parts 0 and 1 are two sub-bands each, part 2 the base conv (level 1;
-    deeper levels have nothing to do there). Level 1 reads dy and x, deeper levels the low-pass buffers."""
-    level, local, row0, off, _, h_in, w_in, rows = _wgrad_plan(tl.program_id(0), B, C, 3 * C * K, 1, H, W, SPAN, LEVELS)
+    """Weight gradients of every level (and of the base conv and bias) in one launch: program = (level, share,
+    channel), see ``_wgrad_plan``. Level 1 reads dy and x, deeper levels the low-pass buffers."""
+    level, local, row0, off, _, h_in, w_in, rows = _wgrad_plan(tl.program_id(0), B, C, C, 1, H, W, SPAN, LEVELS)
     c = local % C
-    ty = local // C % K
-    part = local // (C * K) % 3
-    share = local // (3 * C * K)
-    out = part_ptr + ((row0 + share) * C + c) * 4 * K * K
+    share = local // C
+    base_off = rows * C * 4 * K * K
     if level == 1:
-        Hq = (H + 1) // 2
-        if part < 2:
-            _wgrad2d_bands(dy_ptr, x_ptr, out, c, ty, part, share, C, B, H, W, Hq, (W + 1) // 2, SPAN, K, ROWS, DOT)
-        else:
-            base = part_ptr + rows * C * 4 * K * K
-            shares = tl.cdiv(B * Hq, SPAN)
-            _wgrad2d_base(
-                dy_ptr, x_ptr, base + (share * C + c) * K * K, base + shares * C * K * K + share * C + c, c, ty,
-                share, C, B, H, W, Hq, SPAN, K, ROWS, DOT,
-            )  # fmt: skip
-    elif part < 2:
-        _wgrad2d_bands(
-            glow_ptr + off, low_ptr + off, out, c, ty, part, share, C, B, h_in, w_in, (h_in + 1) // 2,
-            (w_in + 1) // 2, SPAN, K, ROWS, DOT,
+        _wgrad2d_level(
+            dy_ptr, x_ptr, part_ptr, c, share, row0 + share, C, B, H, W, (H + 1) // 2, (W + 1) // 2, base_off, SPAN,
+            K, True, TAPS, BLOCK,
+        )  # fmt: skip
+    else:
+        _wgrad2d_level(
+            glow_ptr + off, low_ptr + off, part_ptr, c, share, row0 + share, C, B, h_in, w_in, (h_in + 1) // 2,
+            (w_in + 1) // 2, base_off, SPAN, K, False, TAPS, BLOCK,
         )  # fmt: skip

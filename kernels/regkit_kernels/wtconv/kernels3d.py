@@ -9,15 +9,14 @@ import triton
 import triton.language as tl
 
 from regkit_kernels.wtconv._tile import (
+    _block2d,
     _butterfly3d,
     _coarse_synthesis3d,
     _haar_block3d,
     _haar_conv3d,
-    _load2d,
     _polyphase_conv3d,
     _slice3d,
     _store_blocks3d,
-    _store_diagonals,
     _tile_coords,
     _wgrad_plan,
 )
@@ -252,84 +251,77 @@ def _wtconv3d_bwd_kernel(
 
 
 @triton.jit
-def _select4(i, v0, v1, v2, v3):
-    """``(v0, v1, v2, v3)[i]`` for a run-time index i."""
-    return tl.where(i < 2, tl.where(i == 0, v0, v1), tl.where(i == 2, v2, v3))
-
-
-@triton.jit
-def _wgrad3d_bands(
-    g_ptr, src_ptr, out_ptr, c, tz, ty, pair, share, C, B, D, H, W, Dq, Hq, Wq, SPAN,
-    K: tl.constexpr, ROWS: tl.constexpr, DOT: tl.constexpr,
+def _wgrad3d_level(
+    g_ptr, src_ptr, part_ptr, c, tz, share, row, C, B, D, H, W, Dq, Hq, Wq, base_off, SPAN,
+    K: tl.constexpr, BASE: tl.constexpr, TAPS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Weight-gradient sums of sub-bands 2 * pair and 2 * pair + 1 of one level, taps (tz, ty, .), over one share
-    (SPAN consecutive (batch item, z, y) rows of the level's grid) of channel c, stored at
-    ``out_ptr + b * K**3 + (tz * K + ty) * K + tx``; see ``_wgrad2d_bands``."""
+    """One level's weight-gradient sums for one z tap and one share of channel c; see ``_wgrad2d_level`` (the tile's
+    tap axis holds the K x K in-plane taps of z tap ``tz``)."""
     P: tl.constexpr = K // 2
-    COLS: tl.constexpr = 32 - 2 * P
-    uz = tz - P
-    uy = ty - P
-    m = tl.arange(0, 32)
-    kr = tl.arange(0, ROWS)
-    acc_a = tl.zeros([32, 32], tl.float32)
-    acc_b = tl.zeros([32, 32], tl.float32)
-    end = tl.minimum(share * SPAN + SPAN, B * Dq * Hq)
-    for r0 in range(share * SPAN, end, ROWS):
-        r = r0 + kr
-        r_ok = r < end
-        qy = r % Hq
-        qz = r // Hq % Dq
-        plane = (r // (Hq * Dq) * C + c).to(tl.int64) * D * H * W
-        for q0 in range(0, Wq, COLS):
-            a_ok = r_ok[None, :] & (m < COLS)[:, None]
-            d0, d1, d2, d3, d4, d5, d6, d7 = _haar_block3d(
-                g_ptr + plane[None, :], 2 * qz[None, :], 2 * qy[None, :], 2 * (q0 + m)[:, None], a_ok, D, H, W
-            )
-            u0, u1, u2, u3, u4, u5, u6, u7 = _haar_block3d(
-                src_ptr + plane[:, None], 2 * (qz + uz)[:, None], 2 * (qy + uy)[:, None], 2 * (q0 - P + m)[None, :],
-                r_ok[:, None], D, H, W,
-            )  # fmt: skip
-            acc_a += tl.dot(_select4(pair, d0, d2, d4, d6), _select4(pair, u0, u2, u4, u6), input_precision=DOT)
-            acc_b += tl.dot(_select4(pair, d1, d3, d5, d7), _select4(pair, u1, u3, u5, u7), input_precision=DOT)
-    out = out_ptr + 2 * pair * K * K * K + (tz * K + ty) * K
-    _store_diagonals(out, acc_a, K)
-    _store_diagonals(out + K * K * K, acc_b, K)
-
-
-@triton.jit
-def _wgrad3d_base(
-    g_ptr, src_ptr, out_ptr, bias_ptr, c, tz, ty, share, C, B, D, H, W, Dq, Hq, SPAN,
-    K: tl.constexpr, ROWS: tl.constexpr, DOT: tl.constexpr,
-):  # fmt: skip
-    """The base conv's weight-gradient sums ``Gb[tz, ty, tx] = sum_y g(y) src(y + u)`` over the voxel rows of one
-    share of level-1 rows (half a step of level rows at a time: 2 * ROWS voxel rows), stored at
-    ``out_ptr + (tz * K + ty) * K + tx``; for tz = ty = 0 also ``sum_y g(y)`` at ``bias_ptr``."""
-    P: tl.constexpr = K // 2
-    PIX: tl.constexpr = 32 - 2 * P
-    uz = tz - P
-    uy = ty - P
-    kp = tl.arange(0, 2 * ROWS)  # voxel rows: level row kp // 4, sub-rows (kp // 2 % 2, kp % 2) in z and y
-    m = tl.arange(0, 32)
-    acc = tl.zeros([32, 32], tl.float32)
-    acc_bias = tl.zeros([32, 2 * ROWS], tl.float32)
-    end = tl.minimum(share * SPAN + SPAN, B * Dq * Hq)
-    for r0 in range(share * SPAN, end, ROWS // 2):
-        rp = r0 + kp // 4
-        rp_ok = rp < end
-        zp = 2 * (rp // Hq % Dq) + kp // 2 % 2
-        yp = 2 * (rp % Hq) + kp % 2
-        plane = (rp // (Hq * Dq) * C + c).to(tl.int64) * D * H * W
-        for x0 in range(0, W, PIX):
-            a_ok = rp_ok[None, :] & (m < PIX)[:, None]
-            pa, oka = _slice3d(g_ptr + plane[None, :], zp[None, :], a_ok, D, H * W)
-            ga = _load2d(pa, yp[None, :], (x0 + m)[:, None], oka, H, W)
-            pb, okb = _slice3d(src_ptr + plane[:, None], (zp + uz)[:, None], rp_ok[:, None], D, H * W)
-            xb = _load2d(pb, (yp + uy)[:, None], (x0 - P + m)[None, :], okb, H, W)
-            acc += tl.dot(ga, xb, input_precision=DOT)
-            acc_bias += ga
-    _store_diagonals(out_ptr + (tz * K + ty) * K, acc, K)
-    if (tz == 0) & (ty == 0):
-        tl.store(bias_ptr, tl.sum(tl.sum(acc_bias, axis=1), axis=0))
+    KK: tl.constexpr = K * K
+    KKK: tl.constexpr = K * K * K
+    t = tl.arange(0, TAPS)
+    uy = (t // K - P)[:, None]
+    ux = (t % K - P)[:, None]
+    tap_ok = (t < KK)[:, None]
+    acc0 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc1 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc2 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc3 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc4 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc5 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc6 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc7 = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc_base = tl.zeros([TAPS, BLOCK], tl.float32)
+    acc_bias = tl.zeros([1, BLOCK], tl.float32)
+    Q = Dq * Hq * Wq
+    end = tl.minimum(share * SPAN + SPAN, B * Q)
+    for start in range(share * SPAN, end, BLOCK):
+        n = start + tl.arange(0, BLOCK)[None, :]
+        ok = n < end
+        qz, qy, qx = _grid_coords3d(n % Q, Hq, Wq)
+        plane = (n // Q * C + c).to(tl.int64) * D * H * W
+        gs = g_ptr + plane
+        p0, ok0 = _slice3d(gs, 2 * qz, ok, D, H * W)
+        p1, ok1 = _slice3d(gs, 2 * qz + 1, ok, D, H * W)
+        g0, g1, g2, g3 = _block2d(p0, 2 * qy, 2 * qx, ok0, H, W)
+        g4, g5, g6, g7 = _block2d(p1, 2 * qy, 2 * qx, ok1, H, W)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _butterfly3d(g0, g1, g2, g3, g4, g5, g6, g7)
+        src = src_ptr + plane
+        u0, u1, u2, u3, u4, u5, u6, u7 = _haar_block3d(
+            src, 2 * (qz + tz - P), 2 * (qy + uy), 2 * (qx + ux), ok & tap_ok, D, H, W
+        )
+        acc0 += d0 * u0
+        acc1 += d1 * u1
+        acc2 += d2 * u2
+        acc3 += d3 * u3
+        acc4 += d4 * u4
+        acc5 += d5 * u5
+        acc6 += d6 * u6
+        acc7 += d7 * u7
+        if BASE:
+            s0, oks0 = _slice3d(src, 2 * qz + tz - P, ok & tap_ok, D, H * W)
+            a0, a1, a2, a3 = _block2d(s0, 2 * qy + uy, 2 * qx + ux, oks0, H, W)
+            s1, oks1 = _slice3d(src, 2 * qz + 1 + tz - P, ok & tap_ok, D, H * W)
+            a4, a5, a6, a7 = _block2d(s1, 2 * qy + uy, 2 * qx + ux, oks1, H, W)
+            acc_base += g0 * a0 + g1 * a1 + g2 * a2 + g3 * a3 + g4 * a4 + g5 * a5 + g6 * a6 + g7 * a7
+            acc_bias += g0 + g1 + g2 + g3 + g4 + g5 + g6 + g7
+    t_ok = t < KK
+    dw = part_ptr + (row * C + c) * 8 * KKK + tz * KK + t
+    tl.store(dw, tl.sum(acc0, axis=1), mask=t_ok)
+    tl.store(dw + KKK, tl.sum(acc1, axis=1), mask=t_ok)
+    tl.store(dw + 2 * KKK, tl.sum(acc2, axis=1), mask=t_ok)
+    tl.store(dw + 3 * KKK, tl.sum(acc3, axis=1), mask=t_ok)
+    tl.store(dw + 4 * KKK, tl.sum(acc4, axis=1), mask=t_ok)
+    tl.store(dw + 5 * KKK, tl.sum(acc5, axis=1), mask=t_ok)
+    tl.store(dw + 6 * KKK, tl.sum(acc6, axis=1), mask=t_ok)
+    tl.store(dw + 7 * KKK, tl.sum(acc7, axis=1), mask=t_ok)
+    if BASE:
+        shares1 = tl.cdiv(B * Q, SPAN)
+        tl.store(part_ptr + base_off + (share * C + c) * KKK + tz * KK + t, tl.sum(acc_base, axis=1), mask=t_ok)
+        bias_sum = tl.sum(acc_bias, axis=1)  # [1]
+        one = tl.arange(0, 1)
+        tl.store(part_ptr + base_off + shares1 * C * KKK + share * C + c + one, bias_sum, mask=(one + tz) == 0)
 
 
 @triton.jit
@@ -341,7 +333,7 @@ def _wtconv3d_wgrad_kernel(
     glow_ptr,
     low_ptr,
     part_ptr,
-    # sizes; SPAN: grid rows per share
+    # sizes
     B,
     C,
     D,
@@ -350,37 +342,23 @@ def _wtconv3d_wgrad_kernel(
     SPAN,
     LEVELS: tl.constexpr,
     K: tl.constexpr,
-    ROWS: tl.constexpr,
-    DOT: tl.constexpr,
+    TAPS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """Weight gradients of every level (and of the base conv and bias) in one launch: program = (level, share, part,
-    z tap, y tap, channel), see ``_wgrad_plan``; parts 0..3 are two sub-bands each, part 4 the base conv (level 1).
-    Level 1 reads dy and x, deeper levels the low-pass buffers."""
-    level, local, row0, off, d_in, h_in, w_in, rows = _wgrad_plan(
-        tl.program_id(0), B, C, 5 * C * K * K, D, H, W, SPAN, LEVELS
-    )
+    """Weight gradients of every level (and of the base conv and bias) in one launch: program = (level, share, z tap,
+    channel), see ``_wgrad_plan``; level 1 reads dy and x, deeper levels the low-pass buffers."""
+    level, local, row0, off, d_in, h_in, w_in, rows = _wgrad_plan(tl.program_id(0), B, C, C * K, D, H, W, SPAN, LEVELS)
     c = local % C
-    ty = local // C % K
-    tz = local // (C * K) % K
-    part = local // (C * K * K) % 5
-    share = local // (5 * C * K * K)
-    out = part_ptr + ((row0 + share) * C + c) * 8 * K * K * K
+    tz = local // C % K
+    share = local // (C * K)
+    base_off = rows * C * 8 * K * K * K
     if level == 1:
-        Dq = (D + 1) // 2
-        Hq = (H + 1) // 2
-        if part < 4:
-            _wgrad3d_bands(
-                dy_ptr, x_ptr, out, c, tz, ty, part, share, C, B, D, H, W, Dq, Hq, (W + 1) // 2, SPAN, K, ROWS, DOT
-            )
-        else:
-            base = part_ptr + rows * C * 8 * K * K * K
-            shares = tl.cdiv(B * Dq * Hq, SPAN)
-            _wgrad3d_base(
-                dy_ptr, x_ptr, base + (share * C + c) * K * K * K, base + shares * C * K * K * K + share * C + c, c, tz,
-                ty, share, C, B, D, H, W, Dq, Hq, SPAN, K, ROWS, DOT,
-            )  # fmt: skip
-    elif part < 4:
-        _wgrad3d_bands(
-            glow_ptr + off, low_ptr + off, out, c, tz, ty, part, share, C, B, d_in, h_in, w_in, (d_in + 1) // 2,
-            (h_in + 1) // 2, (w_in + 1) // 2, SPAN, K, ROWS, DOT,
+        _wgrad3d_level(
+            dy_ptr, x_ptr, part_ptr, c, tz, share, row0 + share, C, B, D, H, W, (D + 1) // 2, (H + 1) // 2,
+            (W + 1) // 2, base_off, SPAN, K, True, TAPS, BLOCK,
+        )  # fmt: skip
+    else:
+        _wgrad3d_level(
+            glow_ptr + off, low_ptr + off, part_ptr, c, tz, share, row0 + share, C, B, d_in, h_in, w_in,
+            (d_in + 1) // 2, (h_in + 1) // 2, (w_in + 1) // 2, base_off, SPAN, K, False, TAPS, BLOCK,
         )  # fmt: skip

@@ -72,15 +72,14 @@ class _Kernels:
     bwd: triton.JITFunction
     wgrad: triton.JITFunction
     block: int  # positions per program of the convolution kernels
-    wgrad_rows: int  # grid rows per step of the weight-gradient kernel (the inner size of its matrix products)
+    wgrad_block: int  # positions per step of the weight-gradient kernel (times the in-plane taps)
     wgrad_programs: int  # level-1 weight-gradient programs wanted per multiprocessor (sets the span of a program)
     wgrad_warps: int
-    wgrad_dot: str  # input precision of its products: "tf32x3" (float32-accurate on the tensor cores) or "ieee"
 
 
-# One table picks the 2D or 3D kernels. Block sizes: the best of small sweeps on an H200 (docs/wtconv_notes.md); the
-# weight-gradient kernel wants enough programs for several waves, so that the last wave's idle multiprocessors cost
-# little.
+# One table picks the 2D or 3D kernels. Block sizes: the best of small sweeps on an H200 (docs/wtconv_notes.md). The
+# weight-gradient kernel is latency-bound: small tiles (fewer registers, more warps), and enough programs for several
+# waves, so that the last wave's idle multiprocessors cost little.
 _KERNELS = {
     2: _Kernels(
         _haar_lowpass2d_kernel,
@@ -91,9 +90,8 @@ _KERNELS = {
         _wtconv2d_wgrad_kernel,
         256,
         16,
-        32,
+        16,
         4,
-        "tf32x3",
     ),
     3: _Kernels(
         _haar_lowpass3d_kernel,
@@ -103,10 +101,9 @@ _KERNELS = {
         _wtconv3d_bwd_kernel,
         _wtconv3d_wgrad_kernel,
         256,
-        16,
-        32,
         8,
-        "tf32x3",
+        16,
+        4,
     ),
 }
 _NUM_WARPS = 4
@@ -205,15 +202,15 @@ def _multiprocessors(device: int | None) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _wgrad_tiling(x: Tensor, kern: _Kernels, rows: int, programs_per_share: int) -> tuple[int, int]:
-    """Rows per step and span (rows per program, a power-of-2 multiple of the step) of the weight-gradient kernel:
-    the span gives level 1 at least ``kern.wgrad_programs`` programs per multiprocessor. On the CPU (the interpreter),
-    one step per program."""
+def _wgrad_tiling(x: Tensor, kern: _Kernels, positions: int, programs_per_share: int) -> tuple[int, int]:
+    """Block (positions per step) and span ((batch item, position) pairs per program, a power-of-2 multiple of the
+    block) of the weight-gradient kernel: the span gives level 1 at least ``kern.wgrad_programs`` programs per
+    multiprocessor. On the CPU, one block and one program per level and channel."""
     if x.device.type != "cuda":
-        return max(16, _pow2(rows)), max(16, _pow2(rows))
+        return _pow2(positions), _pow2(positions)
     wanted = kern.wgrad_programs * _multiprocessors(x.device.index)
-    span = rows * programs_per_share // wanted
-    return kern.wgrad_rows, max(kern.wgrad_rows, 1 << max(span, 1).bit_length() - 1)
+    span = positions * programs_per_share // wanted
+    return kern.wgrad_block, max(kern.wgrad_block, 1 << max(span, 1).bit_length() - 1)
 
 
 def wtconv_bwd(
@@ -230,15 +227,15 @@ def wtconv_bwd(
 
     # Weight gradients (before the input gradient, so that the gradient's low-passes are freed first).
     nb, taps = 2**ndim, k**ndim
-    grid_rows = [batch * math.prod(s[:-1]) for s in sizes[1:]]  # (batch item[, z], y) rows per channel and level
-    # programs per share: channels x parts (pairs of sub-bands, and the base conv) x tap rows (2D) or (z, y) taps (3D)
-    programs_per_share = channels * (nb // 2 + 1) * k ** (ndim - 1)
-    step, span = _wgrad_tiling(x, kern, grid_rows[0], programs_per_share)
-    rows = [-(-n // span) for n in grid_rows]
+    positions = [batch * math.prod(s) for s in sizes[1:]]  # (batch item, position) pairs per channel and level
+    programs_per_share = channels * (k if ndim == 3 else 1)
+    block, span = _wgrad_tiling(x, kern, positions[0], programs_per_share)
+    rows = [-(-n // span) for n in positions]
     part = x.new_empty((sum(rows) * nb + rows[0]) * channels * taps + rows[0] * channels, dtype=torch.float32)
-    kern.wgrad[(sum(rows) * programs_per_share,)](
-        grad_out, x, glow, low, part, batch, channels, *x.shape[2:], span, LEVELS=levels, K=k, ROWS=step,
-        DOT=kern.wgrad_dot, num_warps=kern.wgrad_warps,
+    programs = sum(rows) * programs_per_share
+    kern.wgrad[(programs,)](
+        grad_out, x, glow, low, part, batch, channels, *x.shape[2:], span, LEVELS=levels, K=k,
+        TAPS=_pow2(k * k), BLOCK=block, num_warps=kern.wgrad_warps,
     )  # fmt: skip
     del glow
     grads = torch.empty(levels * channels * nb * (taps + 1) + channels * (taps + 2), device=x.device)
