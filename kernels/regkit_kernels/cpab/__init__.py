@@ -3,10 +3,19 @@
 Ladder: ``_cpab_fwd_kernel`` / ``_cpab_bwd_kernel`` (``kernels.py``) -> launchers ``cpab_fwd`` / ``cpab_bwd`` ->
 ``CPABIntegrateTriton`` (with ``expm.step_matrices`` / ``step_matrices_vjp`` for ``E`` and ``dL/dA``) ->
 ``cpab_integrate(points, A, tess, *, t, steps, checkpoint_every)``, which
-``regkit.cpab.integrate.integrate(..., backend="triton")`` calls.
+``regkit.cpab.integrate.integrate(..., backend="triton")`` calls. ``point_order`` sorts points shared by a batch by
+their starting cells (the order the kernels take them in).
 """
 
 from regkit_kernels.cpab.expm import step_matrices, step_matrices_vjp
-from regkit_kernels.cpab.ops import CPABIntegrateTriton, cpab_bwd, cpab_fwd, cpab_integrate
+from regkit_kernels.cpab.ops import CPABIntegrateTriton, cpab_bwd, cpab_fwd, cpab_integrate, point_order
 
-__all__ = ["CPABIntegrateTriton", "cpab_bwd", "cpab_fwd", "cpab_integrate", "step_matrices", "step_matrices_vjp"]
+__all__ = [
+    "CPABIntegrateTriton",
+    "cpab_bwd",
+    "cpab_fwd",
+    "cpab_integrate",
+    "point_order",
+    "step_matrices",
+    "step_matrices_vjp",
+]

@@ -111,6 +111,8 @@ def point_order(points: Tensor, tess: Box) -> Tensor | None:
         return None
     shape = tuple(tess.shape)
     key = (
+        points.device,
+        points.dtype,
         points.data_ptr(),
         points._version,
         N,
@@ -201,7 +203,8 @@ class CPABIntegrateTriton(torch.autograd.Function):
     domain coordinates: the signature and the values of ``regkit.cpab.integrate.CPABIntegrate``, up to the rounding of
     the step matrices (``E = expm.step_matrices(A, t / steps)``, one kernel, instead of ``torch.linalg.matrix_exp``).
     The gradients differentiate the discrete scheme with the visited cells fixed: the backward kernel writes
-    ``dL/dE``, the per-cell moment table, and ``expm.step_matrices_vjp`` turns it into ``dL/dA``.
+    ``dL/dE``, the per-cell moment table, and ``expm.step_matrices_vjp`` turns it into ``dL/dA``. Points shared by a
+    batch are taken in the order of :func:`point_order` (saved for the backward pass with the checkpoints).
     """
 
     @staticmethod
