@@ -90,7 +90,7 @@ _KERNELS = {
         _wtconv2d_wgrad_kernel,
         256,
         16,
-        16,
+        32,
         4,
     ),
     3: _Kernels(
@@ -102,7 +102,7 @@ _KERNELS = {
         _wtconv3d_wgrad_kernel,
         256,
         8,
-        16,
+        32,
         4,
     ),
 }
