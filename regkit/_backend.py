@@ -7,6 +7,7 @@ The backend is an explicit argument threaded from the configuration, never a glo
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 
@@ -66,3 +67,16 @@ def resolve_backend(requested: str, device: torch.device | str, kernels: str, *,
             raise BackendError("backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for testing on the CPU)")
         load_kernels(kernels)
     return requested
+
+
+@functools.lru_cache(maxsize=1024)
+def device_constant(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a 1D tensor of ``dtype`` on ``device``, cached; callers never write to it. Made anew on every
+    call, it would be a host-to-device copy, which waits for the GPU and cannot be part of a CUDA graph (the engine
+    captures its optimizer iterations on CUDA)."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def capturing(tensor: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured on ``tensor``'s device (checks that wait for the GPU must not run)."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()

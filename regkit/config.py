@@ -438,6 +438,11 @@ class RegistrationConfig(_Model):
         description="Implementation of the heavy operations: reference (pure PyTorch specification), torch "
         "(factorized PyTorch), triton (fused kernels, CUDA only) or auto (the fastest available).",
     )
+    cuda_graphs: bool = Field(
+        default=True,
+        description="On CUDA, replay each pyramid level's Adam iterations from a CUDA graph after 3 eager ones "
+        "(one launch per iteration instead of hundreds; the same result).",
+    )
     seed: int = Field(default=0, ge=0, description="Seed of every random number generator used.")
     dtype: Literal["float32", "float64"] = Field(
         default="float32", description="Floating-point type of the computation."

@@ -28,19 +28,24 @@ tessellation) with Adam or L-BFGS,
 stopping at the iteration cap or when the relative change of the loss stays below ``tolerance`` for ``patience``
 iterations. Intensities are rescaled to [0, 1] between each image's 0.5th and 99.5th percentiles
 before registration (the similarity measures see these, not the raw values).
+
+On CUDA, Adam iterations after the third of each level are replayed from a CUDA graph (``regkit._steps``;
+``cuda_graphs`` in the configuration): the host, not the GPU, bounds an eager iteration. Every objective must
+therefore stay capture-safe: no host synchronisation, no host-to-device copy (tests/core/test_engine_graphs.py).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
 
 import numpy as np
 import torch
 from torch.nn.utils import parametrize
 
+from regkit._steps import GraphedSteps, eager_step
 from regkit.config import AffineStage, CpabStage, MomentsStage, RegistrationConfig, RigidStage
 from regkit.cpab.module import CPAB
 from regkit.cpab.prior import CPABPrior, VertexPrior
@@ -271,8 +276,11 @@ def _optimize(
     opt_cfg = stage.optimizer
     max_iter = stage.level_iterations()[level_index]
     scale = 1.0  # the loss the optimizer sees is scale * loss (reports give the loss itself)
+    graphed = opt_cfg.name == "adam" and ctx.device.type == "cuda" and ctx.config.cuda_graphs
     if opt_cfg.name == "adam":
-        optimizer: torch.optim.Optimizer = torch.optim.Adam(parameters, lr=opt_cfg.learning_rate * adam_scale)
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(
+            parameters, lr=opt_cfg.learning_rate * adam_scale, capturable=graphed
+        )
     else:
         # L-BFGS is invariant to the loss's scale except for its first step, lr * g / max(1, |g|_1): image
         # similarities have tiny gradients in millimetre units, so that step would be far below the gradient's noise
@@ -293,20 +301,11 @@ def _optimize(
             line_search_fn="strong_wolfe",
         )
     start = time.perf_counter()
-    last: dict[str, float] = {}
-
-    def closure() -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        loss, sim = objective()
-        (scale * loss).backward()
-        last["loss"], last["similarity"] = float(loss.detach()), float(sim.detach())
-        return scale * loss.detach()
-
-    previous, calm, iteration = None, 0, 0
+    graph = GraphedSteps(optimizer, objective) if graphed else None
+    previous, calm, iteration, loss, similarity = None, 0, 0, math.nan, math.nan
     for iteration in range(1, max_iter + 1):
         ctx.check_stop()
-        optimizer.step(cast(Callable[[], float], closure))  # torch types closures as returning float
-        loss = last["loss"]
+        loss, similarity = graph() if graph is not None else eager_step(optimizer, objective, scale)
         if not np.isfinite(loss):
             raise RegkitError(
                 f"stage {stage_index} ({stage.type}) diverged at level {level_index}, iteration {iteration}: "
@@ -323,7 +322,7 @@ def _optimize(
                     iteration=iteration,
                     max_iterations=max_iter,
                     loss=loss,
-                    similarity=last["similarity"],
+                    similarity=similarity,
                     elapsed=time.perf_counter() - ctx.start,
                     cells=cells,
                 )
@@ -337,9 +336,10 @@ def _optimize(
     return {
         "level": level_index,
         "iterations": iteration,
-        "similarity": last.get("similarity"),
-        "loss": last.get("loss"),
+        "similarity": similarity,
+        "loss": loss,
         "seconds": round(time.perf_counter() - start, 3),
+        "cuda_graph": graph is not None and graph.captured,
         **({"cells": list(cells)} if cells is not None else {}),
     }
 

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import torch
 from torch import nn
 
+from regkit import _backend
 from regkit.errors import ConfigError, ImageValueError
 from regkit.spatial.filters import box_sum, per_axis
 from regkit.spatial.grid import Grid
@@ -140,7 +141,9 @@ def _weights(fixed: torch.Tensor, warped: torch.Tensor, mask: torch.Tensor | Non
     ):
         raise ValueError(f"mask must have shape (B or 1, 1, *{tuple(spatial)}), got {tuple(mask.shape)}")
     weights = mask.to(fixed.dtype)
-    if bool((weights.flatten(1).sum(1) <= 0).any()):
+    # Not checked while a CUDA graph is captured (the check waits for the GPU): an empty mask then gives a NaN loss,
+    # which the engine reports.
+    if not _backend.capturing(weights) and bool((weights.flatten(1).sum(1) <= 0).any()):
         raise ImageValueError("the similarity mask is empty: the fixed and (warped) moving masks share no voxel")
     return weights
 
@@ -321,11 +324,13 @@ class MutualInformation(Similarity):
 
     def _normalise(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Intensities ``(images, voxels)`` mapped from their masked percentiles to [0, 1], clipped."""
-        q = torch.tensor(self.percentiles, dtype=x.dtype, device=x.device) / 100.0
+        q = _backend.device_constant(tuple(p / 100.0 for p in self.percentiles), x.dtype, x.device)
+        step = max(1, x.shape[1] // _QUANTILE_SAMPLES)
         rows = []
         for k in range(x.shape[0]):
-            values = x[k][weights[k] > 0]
-            lo, hi = torch.quantile(values[:: max(1, values.numel() // _QUANTILE_SAMPLES)], q)
+            # Masked voxels as NaN rather than selected: the same shapes whatever the mask (no wait for the GPU)
+            values = torch.where(weights[k] > 0, x[k], torch.nan)[::step]
+            lo, hi = torch.nanquantile(values, q)
             rows.append((x[k] - lo) / (hi - lo + _EPS_REL * (hi.abs() + lo.abs()) + _TINY))
         return torch.stack(rows).clamp(0.0, 1.0)
 

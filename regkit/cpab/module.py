@@ -87,6 +87,7 @@ class CPAB(torch.nn.Module):
                 f"origin must have {n} entries and direction {n} x {n}, got {tuple(self.origin.shape)} and "
                 f"{tuple(self.direction.shape)}"
             )
+        self._frames: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def for_grid(cls, grid: Grid, cells: int | Sequence[int], **kwargs: object) -> CPAB:
@@ -128,14 +129,22 @@ class CPAB(torch.nn.Module):
 
     # ---- frames --------------------------------------------------------------------------------------------------
 
+    def _frame(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``origin`` and ``direction`` in ``like``'s dtype and device, converted once per dtype and device: a copy
+        from the host on every call would wait for the GPU and could not be part of a CUDA graph."""
+        key = (like.device, like.dtype)
+        if key not in self._frames:
+            self._frames[key] = (self.origin.to(like.device, like.dtype), self.direction.to(like.device, like.dtype))
+        return self._frames[key]
+
     def world_to_domain(self, world: torch.Tensor) -> torch.Tensor:
         """LPS world points ``(..., n)`` -> domain points ``(..., n)``: ``R^T (w - o)``."""
-        origin, direction = (v.to(world.device, world.dtype) for v in (self.origin, self.direction))
+        origin, direction = self._frame(world)
         return (world - origin) @ direction
 
     def domain_to_world(self, points: torch.Tensor) -> torch.Tensor:
         """Domain points ``(..., n)`` -> LPS world points ``(..., n)``: ``o + R p``."""
-        origin, direction = (v.to(points.device, points.dtype) for v in (self.origin, self.direction))
+        origin, direction = self._frame(points)
         return origin + points @ direction.T
 
     # ---- the transformation --------------------------------------------------------------------------------------

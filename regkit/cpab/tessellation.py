@@ -31,6 +31,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from regkit._backend import device_constant
+
 # 2D: per local triangle, its vertices as (a, b) rectangle-corner offsets; the centre comes first and is not listed.
 _TRI_CORNERS = np.array(
     [
@@ -234,9 +236,9 @@ class Tessellation:
         if not points.is_floating_point():
             points = points.to(torch.float64)
         dtype, device = points.dtype, points.device
-        lower = torch.tensor(self.lower, dtype=dtype, device=device)
-        extent = torch.tensor(self.upper, dtype=dtype, device=device) - lower
-        counts = torch.tensor(self.shape, dtype=dtype, device=device)
+        lower = device_constant(tuple(map(float, self.lower)), dtype, device)
+        extent = device_constant(tuple(map(float, self.upper)), dtype, device) - lower
+        counts = device_constant(tuple(map(float, self.shape)), dtype, device)
         t = torch.nan_to_num((points - lower) / extent, nan=0.0).clamp(0.0, 1.0) * counts
         box = torch.minimum(t.floor(), counts - 1)  # x == upper belongs to the last box
         local = (t - box).clamp(0.0, 1.0)  # from the same clamped box index: consistent on every box boundary

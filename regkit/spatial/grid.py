@@ -11,6 +11,7 @@ Conventions (the ITK ones):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,13 +86,13 @@ class Grid:
 
     def index_to_world(self, index: torch.Tensor) -> torch.Tensor:
         """Map continuous indices ``(..., ndim)`` in (i, j[, k]) order to LPS world points ``(..., ndim)``."""
-        m = torch.as_tensor(self.affine(), dtype=index.dtype, device=index.device)
+        m = _affine_on(self, False, index.dtype, index.device)
         n = self.ndim
         return index @ m[:n, :n].T + m[:n, n]
 
     def world_to_index(self, world: torch.Tensor) -> torch.Tensor:
         """Map LPS world points ``(..., ndim)`` to continuous indices ``(..., ndim)`` in (i, j[, k]) order."""
-        m = torch.as_tensor(np.linalg.inv(self.affine()), dtype=world.dtype, device=world.device)
+        m = _affine_on(self, True, world.dtype, world.device)
         n = self.ndim
         return world @ m[:n, :n].T + m[:n, n]
 
@@ -108,3 +109,12 @@ class Grid:
     ) -> torch.Tensor:
         """All voxel centres in LPS world coordinates, shape ``(*self.shape, ndim)``."""
         return self.index_to_world(self.index_points(torch.float64, device)).to(dtype)
+
+
+@functools.lru_cache(maxsize=512)
+def _affine_on(grid: Grid, inverse: bool, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``grid.affine()`` (or its inverse) as a tensor of ``dtype`` on ``device``; cached and never written to. Made
+    from host values, it would be a host-to-device copy on every map: that copy waits for the GPU to catch up and
+    cannot be part of a CUDA graph (``regkit.engine`` captures optimizer iterations)."""
+    m = grid.affine()
+    return torch.as_tensor(np.linalg.inv(m) if inverse else m, dtype=dtype, device=device)

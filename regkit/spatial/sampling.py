@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from regkit._backend import device_constant
 from regkit.errors import ImageDimensionError
 from regkit.spatial.grid import Grid
 
@@ -54,9 +55,11 @@ def sample_image(
         pads += [1, 1] if axis_is_thin else [0, 0]
     if any(thin):
         values = F.pad(values.unsqueeze(0), pads).squeeze(0)
-        index = index + torch.tensor([float(v) for v in thin], dtype=index.dtype, device=index.device)
-    sizes = torch.tensor([3 if v else s for v, s in zip(thin, grid.size, strict=True)], dtype=index.dtype)
-    normalised = 2 * index / (sizes.to(index.device) - 1) - 1
+        index = index + device_constant(tuple(float(v) for v in thin), index.dtype, index.device)
+    sizes = device_constant(
+        tuple(3.0 if v else float(s) for v, s in zip(thin, grid.size, strict=True)), index.dtype, index.device
+    )
+    normalised = 2 * index / (sizes - 1) - 1
     batch_shape = world_points.shape[:-1]
     sample_grid = normalised.reshape(1, *([1] * (n - 1)), -1, n)
     sampled = F.grid_sample(
