@@ -88,8 +88,7 @@ class _CentredTransform(nn.Module):
         a = self.linear()
         offset = self.centre + self.translation - a @ self.centre
         top = torch.cat([a, offset.unsqueeze(1)], dim=1)
-        bottom = torch.zeros(1, self.ndim + 1, dtype=a.dtype, device=a.device)
-        bottom[0, -1] = 1.0
+        bottom = torch.eye(self.ndim + 1, dtype=a.dtype, device=a.device)[-1:]  # no host value: capture-safe
         return self.initial @ torch.cat([top, bottom], dim=0)
 
     def transform_points(self, world: torch.Tensor) -> torch.Tensor:

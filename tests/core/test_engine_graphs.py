@@ -26,7 +26,8 @@ _FORBIDDEN |= {"cpu", "numpy", "nonzero", "unique", "masked_select", "cuda"}
 
 
 class _Spy(TorchFunctionMode):
-    """Records (call, innermost regkit frame) of every forbidden call, ``.to`` with a device, and boolean indexing."""
+    """Records (call, innermost regkit frame) of every forbidden call, ``.to`` with a device, boolean indexing and
+    Python numbers written into tensors."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -38,8 +39,10 @@ class _Spy(TorchFunctionMode):
         index = args[1] if name in ("__getitem__", "__setitem__") and len(args) > 1 else None
         keys = index if isinstance(index, tuple) else (index,)
         bool_index = any(isinstance(k, torch.Tensor) and k.dtype == torch.bool for k in keys)
+        # writing a Python number into a device tensor copies it from the host
+        host_write = name == "__setitem__" and len(args) > 2 and isinstance(args[2], (int, float))
         to_device = name == "to" and ("device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args[1:]))
-        if name in _FORBIDDEN or to_device or bool_index:
+        if name in _FORBIDDEN or to_device or bool_index or host_write:
             frames = [f for f in traceback.extract_stack()[:-1] if "/regkit/" in f.filename]
             where = f"{frames[-1].filename.split('/regkit/')[-1]}:{frames[-1].lineno}" if frames else "?"
             self.calls[(name, where)] += 1
