@@ -40,9 +40,10 @@ FACES = ("reference", "torch", "triton")
 
 DEFAULT_STEPS = 50
 DEFAULT_CHECKPOINT_EVERY = 5
-"""Steps per recomputed segment of the backward passes. The fused backward unrolls a segment, and Triton's compile time
-grows about as its cube (3D, measured through ptxas for sm_90: 5 steps 14 s, 8 steps 50 s on a busy CPU); 5 costs
-``ceil(T / 5) - 1`` checkpoints of the points (9 at T = 50)."""
+"""Steps per recomputed segment of the backward passes: ``ceil(T / 5) - 1`` stored positions of the points (9 at
+T = 50). ``checkpoint_every >= steps`` stores none, and the backward recomputes the trajectory: about a quarter of the
+peak memory for one more forward pass (H200, 2D 32x32 batch 16: 42 instead of 180 MiB, 0.81 instead of 0.72 ms; the
+fused kernels' compile time no longer depends on the spacing)."""
 _CHUNK_ELEMENTS = 2**25  # forward sensitivities: temporaries of at most ~this many elements per chunk of columns
 _EXPM_CHUNK = 2**15  # cells per chunk of the matrix-exponential adjoint (bounds its temporaries to ~100 MB)
 
