@@ -427,6 +427,8 @@ class _Unwhiten(torch.nn.Module):
     optimized: ``theta_0`` is the flow's parameters when the level starts (the coarser level's solution), so ``z``
     starts at zero and measures the level's change in prior standard deviations."""
 
+    start: torch.Tensor
+
     def __init__(self, flow: CPAB, prior: Prior) -> None:
         super().__init__()
         self.prior = prior

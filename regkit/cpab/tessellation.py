@@ -236,8 +236,9 @@ class Tessellation:
         if not points.is_floating_point():
             points = points.to(torch.float64)
         dtype, device = points.dtype, points.device
-        lower = device_constant(tuple(map(float, self.lower)), dtype, device)
-        extent = device_constant(tuple(map(float, self.upper)), dtype, device) - lower
+        assert self.lower is not None and self.upper is not None  # set by __post_init__
+        lower = device_constant(self.lower, dtype, device)
+        extent = device_constant(self.upper, dtype, device) - lower
         counts = device_constant(tuple(map(float, self.shape)), dtype, device)
         t = torch.nan_to_num((points - lower) / extent, nan=0.0).clamp(0.0, 1.0) * counts
         box = torch.minimum(t.floor(), counts - 1)  # x == upper belongs to the last box

@@ -241,7 +241,8 @@ def wtconv_bwd(
     grads = torch.empty(levels * channels * nb * (taps + 1) + channels * (taps + 2), device=x.device)
     bias = base_scale if base_bias is None else base_bias
     _wgrad_finalize_kernel[(channels, levels + 1)](
-        part, torch.stack(weights), torch.stack(scales), base_weight, base_scale, bias, grads, batch, channels,
+        part, torch.stack(list(weights)), torch.stack(list(scales)), base_weight, base_scale, bias, grads, batch,
+        channels,
         *((1,) * (3 - ndim)), *x.shape[2:], span, LEVELS=levels, NB=nb, KT=taps, TAPS=_pow2(taps),
         HAS_BIAS=base_bias is not None, num_warps=_NUM_WARPS,
     )  # fmt: skip
