@@ -63,6 +63,8 @@ import platform
 import shutil
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +125,7 @@ OUTPUT_FILES: dict[str, str] = {
 _PERCENTILES = (0.5, 99.5)  # display window of the QC picture
 _QC_SIDE = 256  # longest side of a QC panel, pixels
 _QC_GAP = 4  # black pixels between QC panels
+_WRITERS = 4  # threads writing image files while the next outputs are computed
 
 
 class OutputExistsError(RegkitError):
@@ -640,28 +643,45 @@ def _write_all(
     start: float,
     peak_memory: dict[str, Any],
 ) -> dict[str, Path]:
-    """Compute and write every output into ``folder``; returns key -> path."""
+    """Compute and write every output into ``folder``; returns key -> path. Image files are written by a pool of
+    threads while the next outputs are computed (compressing a 1 mm brain's fields takes seconds each, and SimpleITK
+    releases the GIL while it writes); every write has finished, or raised, before this returns."""
+    with ThreadPoolExecutor(max_workers=_WRITERS) as pool:
+        return _write_all_with(pool, result, folder, moving_labels, fixed_labels, start, peak_memory)
+
+
+def _write_all_with(
+    pool: ThreadPoolExecutor,
+    result: RegistrationResult,
+    folder: Path,
+    moving_labels: Image | None,
+    fixed_labels: Image | None,
+    start: float,
+    peak_memory: dict[str, Any],
+) -> dict[str, Path]:
     transform, fixed_grid = result.transform, result.fixed.grid
     flags = result.config.outputs
     device = result.device
     paths = {key: folder / name for key, name in OUTPUT_FILES.items()}
     written: dict[str, Path] = {}
+    pending: dict[str, Future] = {}
 
     def done(key: str) -> None:
         written[key] = paths[key]
+
+    def in_background(key: str, write: Callable[..., object], *args: object) -> None:
+        pending[key] = pool.submit(write, *args, paths[key])
 
     # One evaluation of the transformation serves the warped images, the displacement and the CPAB-only field.
     world = fixed_grid.world_points(torch.float64, device)
     mapped = transform.transform_world(world)
     warped = Image(_sample(result.moving, mapped), fixed_grid)
     if flags.warped:
-        write_image(warped, paths["warped"])
-        done("warped")
+        in_background("warped", write_image, warped)
     label_metrics = None
     if moving_labels is not None:
         warped_labels = Image(_sample(moving_labels, mapped, "nearest"), fixed_grid)
-        write_image(warped_labels, paths["warped_labels"])
-        done("warped_labels")
+        in_background("warped_labels", write_image, warped_labels)
         if fixed_labels is not None:
             if fixed_labels.grid != fixed_grid:
                 fixed_labels = Image(_sample(fixed_labels, world, "nearest"), fixed_grid)
@@ -672,26 +692,22 @@ def _write_all(
 
     displacement = (mapped - world).float().cpu()
     if flags.displacement:
-        write_displacement(displacement, fixed_grid, paths["displacement"])
-        done("displacement")
+        in_background("displacement", write_displacement, displacement, fixed_grid)
     if flags.inverse_displacement:
         inverse = transform.inverse_displacement(result.moving.grid, device=device).cpu()
-        write_displacement(inverse, result.moving.grid, paths["inverse_displacement"])
-        done("inverse_displacement")
+        in_background("inverse_displacement", write_displacement, inverse, result.moving.grid)
     write_itk_affine(paths["affine"], transform.matrix, grid_centre(fixed_grid))
     done("affine")
     if flags.transform_h5:
         n = fixed_grid.ndim
         inverse_matrix = torch.as_tensor(np.linalg.inv(transform.matrix), device=mapped.device)
         cpab_points = mapped @ inverse_matrix[:n, :n].T + inverse_matrix[:n, n]  # phi(x) = M^-1 y
-        _write_transform_h5(transform, (cpab_points - world).cpu(), paths["transform_h5"])
-        done("transform_h5")
+        in_background("transform_h5", _write_transform_h5, transform, (cpab_points - world).cpu())
     transform.save(paths["transform"])
     done("transform")
     det = transform.jacobian_determinant(device=device).cpu()
     if flags.jacobian:
-        write_image(Image(det, fixed_grid), paths["jacobian"])
-        done("jacobian")
+        in_background("jacobian", write_image, Image(det, fixed_grid))
     det_fd = jacobian_determinant(displacement, fixed_grid)
     if flags.qc_png:
         picture = qc_picture(result.fixed.data, warped.data, displacement, det, (det_fd <= 0) | (det <= 0), fixed_grid)
@@ -700,16 +716,16 @@ def _write_all(
     paths["config"].write_text(dump_config(result.config))
     done("config")
 
+    runtime: dict[str, Any] = {
+        "total_seconds": result.seconds,
+        "stages": [dataclasses.asdict(stage) for stage in result.stages],
+    }
     metrics = {
         "similarity": _similarities(result, world, mapped),
         **({"labels": label_metrics} if label_metrics is not None else {}),
         "jacobian": _jacobian_metrics(det_fd, det),
         "field_of_view_overlap": field_of_view_overlap(fixed_grid, result.moving.grid),
-        "runtime": {
-            "total_seconds": result.seconds,
-            "stages": [dataclasses.asdict(stage) for stage in result.stages],
-            "write_seconds": round(time.perf_counter() - start, 3),
-        },
+        "runtime": runtime,
         "peak_memory": peak_memory,
         "device": result.device,
         "seed": result.config.seed,
@@ -720,6 +736,10 @@ def _write_all(
         },
         "images": {"fixed": _grid_dict(fixed_grid), "moving": _grid_dict(result.moving.grid)},
     }
+    for key, future in pending.items():
+        future.result()  # re-raises a failed write
+        done(key)
+    runtime["write_seconds"] = round(time.perf_counter() - start, 3)
     paths["metrics"].write_text(json.dumps(metrics, indent=1, allow_nan=False))
     done("metrics")
     return written
