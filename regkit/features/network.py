@@ -33,6 +33,7 @@ read by :func:`load_feature_network` with ``torch.load(..., weights_only=True)``
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -45,6 +46,7 @@ from torch import Tensor, nn
 
 from regkit.errors import RegkitError
 from regkit.features.wtconv import WTConv
+from regkit.spatial.filters import gaussian_smooth
 
 __all__ = [
     "WEIGHTS_FORMAT",
@@ -53,6 +55,7 @@ __all__ = [
     "NetworkSpec",
     "load_feature_network",
     "save_feature_network",
+    "self_similarity",
     "shipped_weights_path",
 ]
 
@@ -63,6 +66,7 @@ _CONV: dict[int, type[nn.Module]] = {2: nn.Conv2d, 3: nn.Conv3d}
 _BATCH_NORM: dict[int, type[nn.Module]] = {2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 _LINEAR_MODE = {2: "bilinear", 3: "trilinear"}
 _LAYER_SCALE_INIT = 0.1
+_SELF_SIMILARITY_EPS = 1e-4  # floor of the mean squared difference (intensities in [0, 1]): noise-only regions
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,9 @@ class NetworkSpec:
     """Channels of the two L2-normalised outputs."""
     mlp_ratio: int = 2
     """Hidden channels of a block's pointwise MLP, per channel."""
+    self_similarity: int = 0
+    """0: the stem reads the image; ``d > 0``: it reads the image's self-similarity descriptors at offset ``d``
+    voxels (:func:`self_similarity`), which do not depend on the contrast."""
 
 
 class FeatureMaps(NamedTuple):
@@ -141,7 +148,8 @@ class FeatureNetwork(nn.Module):
             raise ValueError(f"the feature network is 2D or 3D, got ndim={spec.ndim}")
         n, (c0, c1), conv = spec.ndim, spec.channels, _CONV[spec.ndim]
         self.spec = spec
-        self.stem = conv(1, c0, 3, padding=1)
+        inputs = 3**n - 1 if spec.self_similarity > 0 else 1
+        self.stem = conv(inputs, c0, 3, padding=1)
         self.stage0 = nn.Sequential(
             *(
                 WTConvBlock(n, c0, spec.levels[0], spec.kernel_size, spec.mlp_ratio, backend)
@@ -169,6 +177,8 @@ class FeatureNetwork(nn.Module):
         if x.dim() != n + 2 or x.shape[1] != 1:
             raise ValueError(f"expected an image (B, 1, *spatial) with {n} spatial axes, got {tuple(x.shape)}")
         size, dtype = x.shape[2:], _stream_dtype(x.dtype)
+        if self.spec.self_similarity > 0:
+            x = self_similarity(x, self.spec.self_similarity)
         full = self.stage0(self.stem(x).to(dtype))
         padded = F.pad(full, [p for s in reversed(size) for p in (0, s % 2)], mode="replicate")
         half = self.stage1(self.down(self.down_norm(padded)).to(dtype))
@@ -177,6 +187,28 @@ class FeatureNetwork(nn.Module):
             up = up.narrow(2 + axis, 0, s)
         fused = self.full_centre(self.full_head(self.full_norm(torch.cat((full, up), dim=1))))
         return FeatureMaps(_unit(fused), _unit(self.half_centre(self.half_head(self.half_norm(half)))))
+
+
+def self_similarity(x: Tensor, distance: int, sigma: float = 1.0) -> Tensor:
+    """MIND-like self-similarity descriptors of ``x`` ``(B, 1, *S)``: ``(B, 3**n - 1, *S)``, one channel per offset
+    ``r`` in ``{-d, 0, d}^n`` except 0 (``d`` = ``distance`` voxels, index order of the tensor axes):
+    ``exp(-D_r / mean_r D_r)`` with ``D_r = G_sigma * (x - x(. + r))^2`` (borders replicated), centred over the
+    channels. A monotone change of the intensities leaves them nearly unchanged, so they carry the anatomy's edges
+    and not its contrast (Heinrich et al., MIND, Medical Image Analysis 2012)."""
+    n, d = x.dim() - 2, distance
+    x = x.to(_stream_dtype(x.dtype))
+    padded = F.pad(x, [d] * (2 * n), mode="replicate")
+    size = x.shape[2:]
+    distances = []
+    for offset in itertools.product((-d, 0, d), repeat=n):
+        if not any(offset):
+            continue
+        shifted = padded[(..., *(slice(d + o, d + o + s) for o, s in zip(offset, size, strict=True)))]
+        distances.append((x - shifted) ** 2)
+    squared = gaussian_smooth(torch.cat(distances, dim=1), sigma)
+    variance = squared.mean(dim=1, keepdim=True).clamp_min(_SELF_SIMILARITY_EPS)
+    descriptors = torch.exp(-squared / variance)
+    return descriptors - descriptors.mean(dim=1, keepdim=True)
 
 
 def _stream_dtype(dtype: torch.dtype) -> torch.dtype:

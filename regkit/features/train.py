@@ -1,18 +1,26 @@
 """Self-supervised training of the feature network (``regkit train-features CONFIG.yaml``).
 
 Every step synthesises a batch of view pairs with known voxel correspondence (:mod:`regkit.features.synth`), computes
-the features of both views and minimises a symmetric InfoNCE loss over ``loss.points`` sampled voxels per sample:
+the features of both views and minimises a symmetric InfoNCE loss over ``loss.points`` sampled voxels per sample. The
+anchors are voxels ``p`` of view B inside the head whose correspondence ``c = corr(p)`` lies inside view A; the
+positive of ``p`` is view A's features at ``c`` (linear interpolation, re-normalised). ``loss.negatives`` picks the
+negatives:
 
-* anchors: voxels ``p`` of view B inside the head whose correspondence ``c = corr(p)`` lies inside view A;
-* the positive of ``p``: view A's features at ``c`` (linear interpolation, re-normalised); the negatives: view A's
-  features at the other anchors' matches and at the anchors' own positions ``p``, of this sample and of every other
-  sample of the batch, except those of this sample closer than ``loss.exclusion`` voxels to ``c`` (neighbours are not
-  false negatives). The negatives at ``p`` and those of other samples punish features that encode the position in the
-  crop, or anything else common to all images, rather than the anatomy (the crop borders and the wavelet levels'
-  block grid reveal the position; without those negatives the network learns it);
-* ``loss = CE(S / T, target)`` with ``S`` the cosine similarities and ``T`` the temperature, averaged with the same
-  the other way (view A's features at ``c`` as the queries); the full-resolution features' loss plus
-  ``loss.half_weight`` times the half-resolution one (voxel ``p`` at half resolution sits at ``(p - 1/2) / 2``).
+* ``local`` (the shipped configurations): the anchors are drawn where view B has edges (its standard deviation over a
+  window of 5 voxels per axis above ``loss.edge``); the negatives of ``p`` are view A's features at ``corr(p + d)``
+  for the offsets ``d`` of :func:`local_offsets` (``loss.radii``), where ``p + d`` is a valid voxel. This asks exactly
+  what a registration loss needs: the true match must beat its neighbourhood (the chance level is
+  ``log(1 + offsets)``; flat regions, where no features can tell neighbours apart, are not anchors);
+* ``global``: view A's features at the other anchors' matches and at the anchors' own positions ``p``, of this sample
+  and of every other sample of the batch, except those of this sample closer than ``loss.exclusion`` voxels to ``c``.
+  The negatives at ``p`` and those of other samples punish features that encode the position in the crop, or
+  anything else common to all images, rather than the anatomy. (This trains features that tell regions apart over the
+  whole head but are smooth within a few voxels: poor registration losses, ``docs/benchmarks/features-cpu.md``.)
+
+Either way ``loss = CE(S / T, target)`` with ``S`` the cosine similarities and ``T`` the temperature, averaged with the
+same the other way (view A's features at ``c`` as the queries, view B's at ``p`` and its neighbours as keys); the
+full-resolution features' loss plus ``loss.half_weight`` times the half-resolution one (voxel ``p`` at half
+resolution sits at ``(p - 1/2) / 2``).
 
 Optimiser: AdamW, linear warm-up over ``warmup`` steps, then cosine decay to a tenth of the peak learning rate; bfloat16
 autocast on CUDA with ``mixed_precision``. The random draws of step ``k`` come from generators seeded with
@@ -27,6 +35,7 @@ written with every checkpoint; :func:`regkit.features.network.load_feature_netwo
 from __future__ import annotations
 
 import csv
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -36,6 +45,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import yaml
 from torch import Tensor
 
@@ -55,6 +65,8 @@ __all__ = [
     "check_output",
     "excluded_keys",
     "info_nce",
+    "local_contrast",
+    "local_offsets",
     "pair_loss",
     "train_features",
 ]
@@ -151,6 +163,58 @@ def _nce_both_ways(
     return 0.5 * (to_a + to_b)
 
 
+def local_offsets(ndim: int, radii: tuple[float, ...]) -> Tensor:
+    """The offsets (voxels, (i, j[, k]) order) of the local negatives: every radius times every direction of
+    ``{-1, 0, 1}^ndim`` (unit length), rounded; without duplicates and without 0. ``(K, ndim)`` float32."""
+    directions = torch.tensor([d for d in itertools.product((-1, 0, 1), repeat=ndim) if any(d)], dtype=torch.float64)
+    directions = directions / directions.norm(dim=1, keepdim=True)
+    offsets = torch.unique(torch.cat([torch.round(r * directions) for r in radii]), dim=0)
+    return offsets[offsets.abs().sum(dim=1) > 0].float()
+
+
+def local_contrast(images: Tensor, radius: int = 2) -> Tensor:
+    """The standard deviation of ``images`` ``(B, 1, *S)`` over a window of ``2 radius + 1`` voxels per axis (voxels
+    inside the image only): ``(B, *S)``."""
+    pool = (F.avg_pool2d, F.avg_pool3d)[images.dim() - 4]
+    window = 2 * radius + 1
+
+    def mean(x: Tensor) -> Tensor:
+        return pool(x, window, stride=1, padding=radius, count_include_pad=False)
+
+    m = mean(images)
+    return (mean(images * images) - m * m).clamp_min(0).sqrt()[:, 0]
+
+
+def _local_both_ways(
+    a: Tensor, b: Tensor, anchors: list[tuple[int, Tensor, Tensor]], scale: float, pair: ViewPair, cfg: LossConfig
+) -> Tensor:
+    """The local InfoNCE of one resolution (module docstring), both ways: ``a``, ``b`` the features of views A and B
+    ``(B, C, *S)``; ``anchors`` ``(sample, p, c)`` (full-resolution indices); ``scale`` 1, or 2 for the half maps."""
+    ndim = pair.a.dim() - 2
+    offsets = local_offsets(ndim, cfg.radii).to(pair.corr.device)
+    size = torch.tensor(pair.a.shape[2:][::-1], device=pair.corr.device)  # (x, y[, z]) voxels
+    strides = torch.cumprod(torch.cat((size.new_ones(1), size[:-1])), 0)  # of (i, j[, k]) in the flat [z, y, x] order
+
+    def at(maps: Tensor, index: Tensor) -> Tensor:
+        values = _sample_features(maps, (index.reshape(-1, ndim) - (scale - 1) / 2) / scale)
+        return values.reshape(*index.shape[:-1], -1)
+
+    logits_to_a, logits_to_b = [], []
+    for k, p, c in anchors:
+        near = p[:, None, :] + offsets  # (N, K, n)
+        inside = ((near >= 0) & (near <= size - 1)).all(dim=-1)
+        flat = (near.clamp(min=torch.zeros_like(size), max=size - 1).long() * strides).sum(dim=-1)
+        usable = torch.cat((torch.ones_like(inside[:, :1]), inside & pair.valid[k].flatten()[flat]), dim=1)
+        keys_a = at(a[k], torch.cat((c[:, None], pair.corr[k].reshape(-1, ndim)[flat]), dim=1))  # (N, 1 + K, C)
+        keys_b = at(b[k], torch.cat((p[:, None], near), dim=1))
+        for logits, query, keys in ((logits_to_a, keys_b[:, 0], keys_a), (logits_to_b, keys_a[:, 0], keys_b)):
+            cosine = torch.einsum("nc,nkc->nk", query, keys)
+            logits.append((cosine / cfg.temperature).masked_fill(~usable, float("-inf")))
+    to_a, to_b = torch.cat(logits_to_a), torch.cat(logits_to_b)
+    target = torch.zeros(to_a.shape[0], dtype=torch.long, device=to_a.device)
+    return 0.5 * (F.cross_entropy(to_a, target) + F.cross_entropy(to_b, target))
+
+
 def pair_loss(
     maps_a: FeatureMaps, maps_b: FeatureMaps, pair: ViewPair, cfg: LossConfig, generator: torch.Generator
 ) -> tuple[Tensor, Tensor]:
@@ -158,9 +222,12 @@ def pair_loss(
     ``generator`` (on the features' device)."""
     ndim = pair.a.dim() - 2
     size = pair.a.shape[2:]
+    candidates = pair.valid
+    if cfg.negatives == "local":
+        candidates = candidates & (local_contrast(pair.b) > cfg.edge)
     anchors = []
     for k in range(pair.a.shape[0]):
-        valid = pair.valid[k].flatten()
+        valid = candidates[k].flatten()
         count = int(valid.sum())
         if count == 0:
             continue
@@ -169,6 +236,9 @@ def pair_loss(
         anchors.append((k, p, pair.corr[k].reshape(-1, ndim)[chosen]))
     if not anchors:
         raise RegkitError("no sample of the batch had a valid voxel pair: the crops miss the head; check synthesis")
+    if cfg.negatives == "local":
+        full = _local_both_ways(maps_a.full, maps_b.full, anchors, 1.0, pair, cfg)
+        return full, _local_both_ways(maps_a.half, maps_b.half, anchors, 2.0, pair, cfg)
     full = _nce_both_ways(maps_a.full, maps_b.full, anchors, 1.0, cfg)
     return full, _nce_both_ways(maps_a.half, maps_b.half, anchors, 2.0, cfg)
 

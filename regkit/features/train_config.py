@@ -41,6 +41,12 @@ class NetworkConfig(_Model):
     kernel_size: int = Field(default=5, ge=1, description="Odd size of the WTConv depthwise kernels.")
     features: int = Field(default=16, ge=1, description="Channels of the L2-normalised output features.")
     mlp_ratio: int = Field(default=2, ge=1, description="Hidden channels of each block's MLP, per channel.")
+    self_similarity: int = Field(
+        default=0,
+        ge=0,
+        description="0: the network reads the image; d > 0: its self-similarity descriptors at offset d voxels "
+        "(contrast-independent edges, MIND-like).",
+    )
 
     @field_validator("channels", "depths", "levels")
     @classmethod
@@ -116,14 +122,37 @@ class SynthesisConfig(_Model):
 class LossConfig(_Model):
     """The InfoNCE loss over corresponding voxels of the two views."""
 
+    negatives: Literal["local", "global"] = Field(
+        default="global",
+        description="local: the match's neighbours at the distances 'radii' (anchors on edges); global: the other "
+        "anchors' matches and positions over the batch (regkit.features.train).",
+    )
     points: int = Field(default=512, ge=2, description="Corresponding voxel pairs sampled per sample.")
     temperature: float = Field(default=0.07, gt=0, description="Softmax temperature of the cosine similarities.")
     exclusion: float = Field(
         default=2.0,
         ge=0,
-        description="Points closer than this (voxels) to a positive are not used as its negatives.",
+        description="global: points closer than this (voxels) to a positive are not used as its negatives.",
     )
     half_weight: float = Field(default=0.5, ge=0, description="Weight of the half-resolution features' loss.")
+    radii: Seq[float] = Field(
+        default=(2.0, 3.0, 5.0, 8.0),
+        description="local: distances (voxels) of the negatives from the match, each in every axis and diagonal "
+        "direction.",
+    )
+    edge: float = Field(
+        default=0.1,
+        ge=0,
+        description="local: anchors where view B's standard deviation over 5 voxels per axis exceeds this "
+        "(intensities in [0, 1]).",
+    )
+
+    @field_validator("radii")
+    @classmethod
+    def _positive_radii(cls, values: tuple[float, ...]) -> tuple[float, ...]:
+        if not values or any(v < 1 for v in values):
+            raise _invalid(f"needs distances >= 1 voxel (got {list(values)})")
+        return values
 
 
 class FeatureTrainingConfig(_Model):

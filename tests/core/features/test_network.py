@@ -6,7 +6,7 @@ import torch
 
 from regkit.errors import RegkitError
 from regkit.features import FeatureNetwork, NetworkSpec, load_feature_network, save_feature_network
-from regkit.features.network import shipped_weights_path
+from regkit.features.network import self_similarity, shipped_weights_path
 
 _TINY = {2: NetworkSpec(ndim=2, channels=(4, 8), depths=(1, 1), levels=(2, 1), kernel_size=3, features=6)}
 _TINY[3] = NetworkSpec(ndim=3, channels=(4, 8), depths=(1, 1), levels=(1, 1), kernel_size=3, features=6)
@@ -91,3 +91,23 @@ def test_shipped_weights_load_and_give_finite_features(ndim):
     maps = network(image + 0.05 * torch.rand(shape))
     assert all(torch.isfinite(m).all() for m in maps)
     torch.testing.assert_close(maps.full.norm(dim=1), torch.ones(shape[0], *shape[2:]))
+
+
+@pytest.mark.parametrize(("ndim", "shape"), [(2, (2, 1, 13, 10)), (3, (1, 1, 7, 6, 9))])
+def test_self_similarity_ignores_the_contrast(ndim, shape):
+    """The descriptors have one channel per offset and do not change under an affine or inverted intensity map."""
+    x = torch.rand(shape, dtype=torch.float64)
+    descriptors = self_similarity(x, 2)
+    assert descriptors.shape == (shape[0], 3**ndim - 1, *shape[2:])
+    torch.testing.assert_close(self_similarity(3.0 * x + 0.5, 2), descriptors)
+    torch.testing.assert_close(self_similarity(1.0 - x, 2), descriptors)
+
+
+def test_network_on_self_similarity_inputs():
+    """With ``self_similarity`` the stem reads the descriptors: the features ignore an inverted contrast."""
+    torch.manual_seed(0)
+    spec = NetworkSpec(ndim=2, channels=(4, 8), depths=(1, 1), levels=(2, 1), kernel_size=3, features=6)
+    network = FeatureNetwork(NetworkSpec(**{**spec.__dict__, "self_similarity": 1}), backend="reference").eval()
+    x = torch.rand(1, 1, 12, 10)
+    for a, b in zip(network(x), network(1.0 - x), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

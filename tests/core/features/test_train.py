@@ -8,7 +8,14 @@ import torch
 
 from regkit.errors import ConfigError, RegkitError
 from regkit.features.synth import LabelVolume, crop_flow, synthesise_pair
-from regkit.features.train import Trainer, excluded_keys, info_nce, train_features
+from regkit.features.train import (
+    Trainer,
+    excluded_keys,
+    info_nce,
+    local_contrast,
+    local_offsets,
+    train_features,
+)
 from regkit.features.train_config import FeatureTrainingConfig, load_training_config, training_presets
 from regkit.spatial.grid import Grid
 from regkit.spatial.sampling import sample_image
@@ -108,9 +115,23 @@ def test_info_nce_prefers_matching_keys_and_ignores_near_ones():
     assert matched < info_nce(query, decoys, near, 0.1) < info_nce(query, decoys, far, 0.1) - 0.5
 
 
-@pytest.mark.parametrize("dim", [2, 3])
-def test_a_few_steps_reduce_the_loss(dim):
-    trainer = Trainer(_config(dim), _volume())
+def test_local_offsets_and_contrast():
+    offsets = local_offsets(2, (2.0, 3.0, 5.0, 8.0))  # 8 directions, the diagonals rounded: (1, 1), (2, 2), ...
+    assert offsets.shape == (32, 2) and offsets.abs().sum(dim=1).min() > 0
+    assert len({tuple(o) for o in offsets.tolist()}) == 32
+    assert [2.0, 0.0] in offsets.tolist() and [1.0, 1.0] in offsets.tolist() and [-6.0, 6.0] in offsets.tolist()
+    assert local_offsets(3, (1.0,)).shape == (26, 3)
+    step = torch.zeros(1, 1, 12, 12)
+    step[..., 6:] = 1.0
+    contrast = local_contrast(step)
+    assert contrast.shape == (1, 12, 12)
+    assert float(contrast[0, :, 0].max()) == 0.0 and float(contrast[0, :, 5].min()) > 0.4  # flat far away, edge near
+
+
+@pytest.mark.parametrize(("dim", "negatives"), [(2, "global"), (3, "global"), (2, "local"), (3, "local")])
+def test_a_few_steps_reduce_the_loss(dim, negatives):
+    loss_config = {"points": 48, "temperature": 0.1, "negatives": negatives, "radii": [2.0, 3.0]}
+    trainer = Trainer(_config(dim, loss=loss_config), _volume())
     pair, _ = trainer.batch(0)
 
     def loss() -> torch.Tensor:
