@@ -5,7 +5,9 @@ whose intensities are mapped to about [0, 1], as :func:`regkit.engine.rescale_in
 
 Architecture (one table picks the 2D or 3D layers, as in :mod:`regkit.features.wtconv`)::
 
-    stem    3 x 3 (x 3) convolution, 1 -> c0 channels, full resolution
+    input   the image, or (``self_similarity`` d > 0) its 3**n - 1 self-similarity descriptors at offset d
+            (:func:`self_similarity`: MIND-like, independent of the contrast; no parameters)
+    stem    3 x 3 (x 3) convolution, input -> c0 channels, full resolution
     stage 0 depths[0] blocks of c0 channels, WTConv with levels[0] wavelet levels
     down    channel LayerNorm, 2 x 2 (x 2) convolution with stride 2, c0 -> c1 (the input is first padded to even
             sizes by repeating its last row, column and slice)
@@ -193,8 +195,9 @@ def self_similarity(x: Tensor, distance: int, sigma: float = 1.0) -> Tensor:
     """MIND-like self-similarity descriptors of ``x`` ``(B, 1, *S)``: ``(B, 3**n - 1, *S)``, one channel per offset
     ``r`` in ``{-d, 0, d}^n`` except 0 (``d`` = ``distance`` voxels, index order of the tensor axes):
     ``exp(-D_r / mean_r D_r)`` with ``D_r = G_sigma * (x - x(. + r))^2`` (borders replicated), centred over the
-    channels. A monotone change of the intensities leaves them nearly unchanged, so they carry the anatomy's edges
-    and not its contrast (Heinrich et al., MIND, Medical Image Analysis 2012)."""
+    channels, in ``x``'s dtype (float32 at least; also under autocast). An affine or inverted intensity map leaves them
+    unchanged and any other change of contrast changes them little: they carry the anatomy's edges, not its contrast
+    (Heinrich et al., MIND, Medical Image Analysis 2012)."""
     n, d = x.dim() - 2, distance
     x = x.to(_stream_dtype(x.dtype))
     padded = F.pad(x, [d] * (2 * n), mode="replicate")
@@ -205,7 +208,8 @@ def self_similarity(x: Tensor, distance: int, sigma: float = 1.0) -> Tensor:
             continue
         shifted = padded[(..., *(slice(d + o, d + o + s) for o, s in zip(offset, size, strict=True)))]
         distances.append((x - shifted) ** 2)
-    squared = gaussian_smooth(torch.cat(distances, dim=1), sigma)
+    with torch.autocast(x.device.type, enabled=False):  # the smoothing in x's dtype, as at inference
+        squared = gaussian_smooth(torch.cat(distances, dim=1), sigma)
     variance = squared.mean(dim=1, keepdim=True).clamp_min(_SELF_SIMILARITY_EPS)
     descriptors = torch.exp(-squared / variance)
     return descriptors - descriptors.mean(dim=1, keepdim=True)
