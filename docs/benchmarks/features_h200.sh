@@ -14,7 +14,10 @@
 #    each stopping at its configured steps or after 210 s of training, whichever comes first, and writes to $OUT:
 #    features-2d.pt, features-3d.pt (the weights), log-2d.csv, log-3d.csv (loss and samples/s per step), train-2d.txt,
 #    train-3d.txt (the commands' output). Then here: copy the two .pt files into regkit/data/ (their `meta` records the
-#    steps done; a run cut by the time limit says so in train-*.txt: "N/M steps").
+#    steps done; a run cut by the time limit says so in train-*.txt: "N/M steps"). The configurations train on
+#    self-similarity inputs with local negatives (docs/benchmarks/features-cpu.md); their InfoNCE stays near its chance
+#    level (log 33 = 3.50 in 2D, log 105 = 4.65 in 3D) even for good features, so judge the weights by step 3 (ship them
+#    only if `features` beats the CPU-trained 2D weights' 1.31 mm there).
 # 3. On the device, with the new weights in regkit/data (`run`, same carry, timeout_s 600), ~5 minutes:
 #        bash docs/benchmarks/features_h200.sh bench
 #    writes $OUT/features-h200.md: 2D endpoint errors (ITK T1 vs PD) and 3D Dice (same contrast, inverted contrast,

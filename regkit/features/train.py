@@ -7,10 +7,11 @@ positive of ``p`` is view A's features at ``c`` (linear interpolation, re-normal
 negatives:
 
 * ``local`` (the shipped configurations): the anchors are drawn where view B has edges (its standard deviation over a
-  window of 5 voxels per axis above ``loss.edge``); the negatives of ``p`` are view A's features at ``corr(p + d)``
-  for the offsets ``d`` of :func:`local_offsets` (``loss.radii``), where ``p + d`` is a valid voxel. This asks exactly
-  what a registration loss needs: the true match must beat its neighbourhood (the chance level is
-  ``log(1 + offsets)``; flat regions, where no features can tell neighbours apart, are not anchors);
+  window of 5 voxels per axis above ``loss.edge``; anywhere valid in a view without edges); the negatives of ``p``
+  are view A's features at ``corr(p + d)`` for the offsets ``d`` of :func:`local_offsets` (``loss.radii``), where
+  ``p + d`` is a valid voxel. This asks exactly what a registration loss needs: the true match must beat its
+  neighbourhood (the chance level is ``log(1 + offsets)``; flat regions, where no features can tell neighbours
+  apart, are not anchors);
 * ``global``: view A's features at the other anchors' matches and at the anchors' own positions ``p``, of this sample
   and of every other sample of the batch, except those of this sample closer than ``loss.exclusion`` voxels to ``c``.
   The negatives at ``p`` and those of other samples punish features that encode the position in the crop, or
@@ -223,8 +224,10 @@ def pair_loss(
     ndim = pair.a.dim() - 2
     size = pair.a.shape[2:]
     candidates = pair.valid
-    if cfg.negatives == "local":
-        candidates = candidates & (local_contrast(pair.b) > cfg.edge)
+    if cfg.negatives == "local":  # edges of view B; all valid voxels of a sample that has none
+        edges = candidates & (local_contrast(pair.b) > cfg.edge)
+        some = edges.flatten(1).any(dim=1).view(-1, *(1,) * ndim)
+        candidates = torch.where(some, edges, candidates)
     anchors = []
     for k in range(pair.a.shape[0]):
         valid = candidates[k].flatten()

@@ -7,16 +7,18 @@ import pytest
 import torch
 
 from regkit.errors import ConfigError, RegkitError
-from regkit.features.synth import LabelVolume, crop_flow, synthesise_pair
+from regkit.features.network import FeatureMaps
+from regkit.features.synth import LabelVolume, ViewPair, crop_flow, synthesise_pair
 from regkit.features.train import (
     Trainer,
     excluded_keys,
     info_nce,
     local_contrast,
     local_offsets,
+    pair_loss,
     train_features,
 )
-from regkit.features.train_config import FeatureTrainingConfig, load_training_config, training_presets
+from regkit.features.train_config import FeatureTrainingConfig, LossConfig, load_training_config, training_presets
 from regkit.spatial.grid import Grid
 from regkit.spatial.sampling import sample_image
 
@@ -126,6 +128,23 @@ def test_local_offsets_and_contrast():
     contrast = local_contrast(step)
     assert contrast.shape == (1, 12, 12)
     assert float(contrast[0, :, 0].max()) == 0.0 and float(contrast[0, :, 5].min()) > 0.4  # flat far away, edge near
+
+
+def test_local_loss_finds_the_match_and_takes_views_without_edges():
+    """Identical views, identity correspondence, random features: each anchor's positive is its own feature, so the
+    loss is far below chance; the second sample's view B is uniform (no edges) and still gives anchors."""
+    torch.manual_seed(0)
+    size = 16
+    a = torch.rand(2, 1, size, size)
+    b = a.clone()
+    b[1] = 0.5
+    corr = Grid.create((size, size)).index_points()[None].repeat(2, 1, 1, 1)
+    pair = ViewPair(a, b, corr, torch.ones(2, size, size, dtype=torch.bool))
+    unit = torch.nn.functional.normalize
+    maps = FeatureMaps(unit(torch.randn(2, 8, size, size), dim=1), unit(torch.randn(2, 8, size // 2, size // 2), dim=1))
+    cfg = LossConfig(negatives="local", points=32, radii=(2.0, 3.0), temperature=0.1)
+    full, half = pair_loss(maps, maps, pair, cfg, torch.Generator().manual_seed(0))
+    assert float(full) < 0.5 * math.log(1 + 16) and torch.isfinite(half)
 
 
 @pytest.mark.parametrize(("dim", "negatives"), [(2, "global"), (3, "global"), (2, "local"), (3, "local")])
