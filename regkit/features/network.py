@@ -206,7 +206,8 @@ def self_similarity(x: Tensor, distance: int, sigma: float = 1.0) -> Tensor:
     for offset in itertools.product((-d, 0, d), repeat=n):
         if not any(offset):
             continue
-        shifted = padded[(..., *(slice(d + o, d + o + s) for o, s in zip(offset, size, strict=True)))]
+        window = tuple(slice(d + o, d + o + s) for o, s in zip(offset, size, strict=True))
+        shifted = padded[(slice(None), slice(None), *window)]
         distances.append((x - shifted) ** 2)
     with torch.autocast(x.device.type, enabled=False):  # the smoothing in x's dtype, as at inference
         squared = gaussian_smooth(torch.cat(distances, dim=1), sigma)

@@ -200,7 +200,8 @@ def _local_both_ways(
         values = _sample_features(maps, (index.reshape(-1, ndim) - (scale - 1) / 2) / scale)
         return values.reshape(*index.shape[:-1], -1)
 
-    logits_to_a, logits_to_b = [], []
+    logits_to_a: list[Tensor] = []
+    logits_to_b: list[Tensor] = []
     for k, p, c in anchors:
         near = p[:, None, :] + offsets  # (N, K, n)
         inside = ((near >= 0) & (near <= size - 1)).all(dim=-1)
