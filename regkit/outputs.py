@@ -627,7 +627,11 @@ def write_outputs(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        written = _write_all(result, tmp, labels.get("moving labels"), labels.get("fixed labels"), start, peak_memory)
+        # image files are written by threads while the next outputs are computed (compressing a 1 mm brain's fields
+        # takes seconds each; SimpleITK releases the GIL while it writes); the pool waits for them before closing
+        with ThreadPoolExecutor(max_workers=_WRITERS) as pool:
+            moving, fixed = labels.get("moving labels"), labels.get("fixed labels")
+            written = _write_all(pool, result, tmp, moving, fixed, start, peak_memory)
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -636,21 +640,6 @@ def write_outputs(
 
 
 def _write_all(
-    result: RegistrationResult,
-    folder: Path,
-    moving_labels: Image | None,
-    fixed_labels: Image | None,
-    start: float,
-    peak_memory: dict[str, Any],
-) -> dict[str, Path]:
-    """Compute and write every output into ``folder``; returns key -> path. Image files are written by a pool of
-    threads while the next outputs are computed (compressing a 1 mm brain's fields takes seconds each, and SimpleITK
-    releases the GIL while it writes); every write has finished, or raised, before this returns."""
-    with ThreadPoolExecutor(max_workers=_WRITERS) as pool:
-        return _write_all_with(pool, result, folder, moving_labels, fixed_labels, start, peak_memory)
-
-
-def _write_all_with(
     pool: ThreadPoolExecutor,
     result: RegistrationResult,
     folder: Path,
@@ -659,6 +648,8 @@ def _write_all_with(
     start: float,
     peak_memory: dict[str, Any],
 ) -> dict[str, Path]:
+    """Compute every output and write it into ``folder`` (image files through ``pool``); returns key -> path once
+    every write has finished (a failed write raises)."""
     transform, fixed_grid = result.transform, result.fixed.grid
     flags = result.config.outputs
     device = result.device

@@ -109,6 +109,15 @@ def _vertex_kernel(basis: CPABasis, length_scale: float) -> torch.Tensor:
     return (out + out.T) / 2
 
 
+def _check_hyperparameters(length_scale: float, variance: float, jitter: float) -> None:
+    """ValueError unless ``length_scale`` and ``variance`` are finite and positive and ``jitter`` finite and >= 0."""
+    for name, value in (("length_scale", length_scale), ("variance", variance)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"CPAB prior {name} must be finite and positive, got {value}")
+    if not (math.isfinite(jitter) and jitter >= 0):
+        raise ValueError(f"CPAB prior jitter must be finite and >= 0, got {jitter}")
+
+
 class CPABPrior:
     """Gaussian prior ``theta ~ N(0, Sigma_theta)`` with a squared-exponential covariance over cell centres.
 
@@ -118,11 +127,7 @@ class CPABPrior:
     """
 
     def __init__(self, basis: CPABasis, length_scale: float = 0.1, variance: float = 1.0, *, jitter: float = 1e-6):
-        for name, value in (("length_scale", length_scale), ("variance", variance)):
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"CPAB prior {name} must be finite and positive, got {value}")
-        if not (math.isfinite(jitter) and jitter >= 0):
-            raise ValueError(f"CPAB prior jitter must be finite and >= 0, got {jitter}")
+        _check_hyperparameters(length_scale, variance, jitter)
         self.basis = basis
         self.length_scale = float(length_scale)
         self.variance = float(variance)
@@ -285,11 +290,7 @@ class VertexPrior:
     """
 
     def __init__(self, basis: CPABasis, length_scale: float = 0.1, variance: float = 1.0, *, jitter: float = 1e-6):
-        for name, value in (("length_scale", length_scale), ("variance", variance)):
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"CPAB prior {name} must be finite and positive, got {value}")
-        if not (math.isfinite(jitter) and jitter >= 0):
-            raise ValueError(f"CPAB prior jitter must be finite and >= 0, got {jitter}")
+        _check_hyperparameters(length_scale, variance, jitter)
         if basis.reduction is not None:
             raise ValueError("VertexPrior needs a nodal basis (no volume preservation); use CPABPrior")
         self.basis = basis
