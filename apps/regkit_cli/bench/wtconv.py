@@ -8,6 +8,9 @@ k x k convolution with bias (cuDNN autotuning on).
 
 * Times: CUDA events around each call after warm-up; the median of repeated runs. "forward" is the layer's call with
   gradients enabled (what a training step runs); "fwd+bwd" is that plus ``backward`` of a random output gradient.
+  "graphed" is the same forward + backward captured once in a CUDA graph and replayed (every version, so the
+  comparison stays like for like): the GPU's own time without Python and launch overhead, which is most of an eager
+  step at the small stages.
 * Peak memory: ``torch.cuda.max_memory_allocated`` over one forward + backward, counting everything allocated for it,
   the input x and output gradient included (x alone is given in each table's title).
 * I/O model: the bytes a version must move through HBM if every kernel reads its inputs once and writes its outputs
@@ -110,6 +113,25 @@ def _step(module: Any, x: Any, grad: Any) -> None:
     module(x).backward(grad)
 
 
+def _graphed_step(module: Any, x: Any, grad: Any) -> Callable[[], Any]:
+    """One forward + backward captured in a CUDA graph (after warm-up steps on a side stream, which compile and, with
+    ``cudnn.benchmark``, autotune); returns its replay. The gradients are written into the graph's own buffers."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            _step(module, x, grad)
+    torch.cuda.current_stream().wait_stream(side)
+    x.grad = None
+    module.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        module(x).backward(grad)
+    return graph.replay
+
+
 # ---- measurements -------------------------------------------------------------------------------------------------
 
 
@@ -164,6 +186,7 @@ def _measure(case: Case, version: str, device: str, time_it: Callable[[Callable[
         _step(module, x, grad)
         torch.cuda.synchronize()
         result["peak_bytes"] = torch.cuda.max_memory_allocated() - base
+        result["graph_ms"] = time_it(_graphed_step(module, x, grad))
     return result
 
 
@@ -267,9 +290,10 @@ def _fmt(value: float, digits: int = 3) -> str:
 
 def _row(version: str, result: dict[str, Any], io_bytes: int | None, copy_bw: float | None, first: Any) -> list[str]:
     if "skipped" in result:
-        return [version, result["skipped"], "", "", "", "", "", ""]
-    peak = result.get("peak_bytes")
-    cells = [version, _fmt(result["forward_ms"]), _fmt(result["step_ms"]), "n/a" if peak is None else _fmt(peak / _MiB)]
+        return [version, result["skipped"], "", "", "", "", "", "", ""]
+    peak, graph = result.get("peak_bytes"), result.get("graph_ms")
+    cells = [version, _fmt(result["forward_ms"]), _fmt(result["step_ms"]), "n/a" if graph is None else _fmt(graph)]
+    cells.append("n/a" if peak is None else _fmt(peak / _MiB))
     if io_bytes is None:
         cells += ["", "", ""]
     else:
@@ -283,7 +307,17 @@ def _row(version: str, result: dict[str, Any], io_bytes: int | None, copy_bw: fl
 def _render(title: str, rows: list[list[str]]) -> tuple[Any, str]:
     from rich.table import Table
 
-    header = ["version", "forward ms", "fwd+bwd ms", "peak MiB", "I/O MB", "GB/s", "of copy", "first use s"]
+    header = [
+        "version",
+        "forward ms",
+        "fwd+bwd ms",
+        "graphed ms",
+        "peak MiB",
+        "I/O MB",
+        "GB/s",
+        "of copy",
+        "first use s",
+    ]
     table = Table(title=title, title_justify="left")
     for name in header:
         table.add_column(name, justify="left" if name == "version" else "right")
@@ -296,28 +330,30 @@ def _render(title: str, rows: list[list[str]]) -> tuple[Any, str]:
 def _summary(results: dict[tuple[Case, str], dict[str, Any]], cases: tuple[Case, ...]) -> list[str]:
     """The issue's targets, computed from the measurements."""
 
-    def step(case: Case, version: str) -> float | None:
-        return results.get((case, version), {}).get("step_ms")
-
     def geomean(values: list[float]) -> float:
         return math.exp(sum(math.log(v) for v in values) / len(values))
 
     lines = []
     stages = [c for c in cases if c.ndim == 2]
-    fused = [t for c in stages if (t := step(c, "fused fp32"))]
-    if stages and len(fused) == len(stages):
-        lines.append(f"2D fused fp32 fwd+bwd: geometric mean {geomean(fused):.3g} ms over {len(stages)} shapes.")
+    for key, label in (("step_ms", "fwd+bwd"), ("graph_ms", "graphed fwd+bwd")):
+        fused = [t for c in stages if (t := results.get((c, "fused fp32"), {}).get(key))]
+        if not stages or len(fused) != len(stages):
+            continue
+        listed = " / ".join(f"{t:.3g}" for t in fused)
+        lines.append(f"2D fused fp32 {label}: {listed} ms, geometric mean {geomean(fused):.3g} ms.")
         for version in ("reference", "reference (cudnn.benchmark)", "fused bf16", "depthwise conv"):
-            other = [t for c in stages if (t := step(c, version))]
+            other = [t for c in stages if (t := results.get((c, version), {}).get(key))]
             if len(other) == len(stages):
                 ratios = [o / f for o, f in zip(other, fused, strict=True)]
                 listed = ", ".join(f"{r:.2f}" for r in ratios)
-                lines.append(f"fwd+bwd time, {version} / fused fp32: {listed} (geomean {geomean(ratios):.2f}).")
+                lines.append(f"{label} time, {version} / fused fp32: {listed} (geomean {geomean(ratios):.2f}).")
     for case in (c for c in cases if c.ndim == 3):
         f, ref = results.get((case, "fused fp32"), {}), results.get((case, "reference (cudnn.benchmark)"), {})
         if "step_ms" in f and "step_ms" in ref:
             ratio = ref["step_ms"] / f["step_ms"]
             line = f"3D {case.name}: fwd+bwd time, reference (cudnn.benchmark) / fused fp32 = {ratio:.2f}"
+            if "graph_ms" in f and "graph_ms" in ref:
+                line += f" (graphed {ref['graph_ms'] / f['graph_ms']:.2f})"
             if "peak_bytes" in f and "peak_bytes" in ref:
                 line += f", peak memory fused / reference = {f['peak_bytes'] / ref['peak_bytes']:.2f}"
             lines.append(line + ".")

@@ -18,10 +18,31 @@ import triton.language as tl
 
 
 @triton.jit
-def _load2d(ptrs, y, x, ok, H, W):
-    """Load ``plane[y, x]`` as float32 for every tile element, with zeros outside the H x W plane and the tile."""
-    inside = (y >= 0) & (y < H) & (x >= 0) & (x < W)
-    return tl.load(ptrs + (y * W + x), mask=ok & inside, other=0.0).to(tl.float32)
+def _block_at(ptrs, row, ok_y0, ok_y1, ok_x0, ok_x1):
+    """The pixels (a b / c d) at ``ptrs``, ``ptrs + 1``, ``ptrs + row`` and ``ptrs + row + 1`` as float32, each loaded
+    where its row (``ok_y0``, ``ok_y1``) and column (``ok_x0``, ``ok_x1``) flags are set, else zero. Callers compute a
+    position's pointer once and add constant tap offsets, so that a load costs little index arithmetic of its own."""
+    a = tl.load(ptrs, mask=ok_y0 & ok_x0, other=0.0).to(tl.float32)
+    b = tl.load(ptrs + 1, mask=ok_y0 & ok_x1, other=0.0).to(tl.float32)
+    c = tl.load(ptrs + row, mask=ok_y1 & ok_x0, other=0.0).to(tl.float32)
+    d = tl.load(ptrs + (row + 1), mask=ok_y1 & ok_x1, other=0.0).to(tl.float32)
+    return a, b, c, d
+
+
+@triton.jit
+def _within(v, n):
+    """0 <= v < n, as one unsigned comparison (``tl.cast`` also takes sizes that Triton specialised to constants)."""
+    return tl.cast(v, tl.uint32) < tl.cast(n, tl.uint32)
+
+
+@triton.jit
+def _divmod(n, d, inv_d):
+    """``(n // d, n % d)`` for 0 <= n < 2**31 and a quotient below 2**22, given ``inv_d = 1 / d`` in float32: the float
+    estimate is off by at most one, which one correction removes (cheaper than an integer division by a run-time d)."""
+    quot = (n.to(tl.float32) * inv_d).to(tl.int32)
+    rem = n - quot * d
+    quot = tl.where(rem < 0, quot - 1, tl.where(rem >= d, quot + 1, quot))
+    return quot, n - quot * d
 
 
 @triton.jit
@@ -61,9 +82,11 @@ def _polyphase_conv2d(ptrs, w_ptr, qy, qx, ok, H, W, K: tl.constexpr, DIR: tl.co
     block: ``acc_s(q) = sum_t w[t] * plane(2q + s + DIR * (t - K // 2))``, s = (sy, sx) in the order 00, 01, 10, 11.
 
     Each plane pixel at offset o = s + DIR * u from 2q (o in [-K//2, K//2 + 1]) is loaded once and feeds every s it
-    reaches: (K + 1)**2 loads for 4 K**2 multiply-adds.
+    reaches: (K + 1)**2 loads for 4 K**2 multiply-adds. The pointer of 2q is computed once; a row adds ``oy * W`` and a
+    column a constant, and the bounds are unsigned comparisons.
     """
     P: tl.constexpr = K // 2
+    centre = ptrs + (2 * qy * W + 2 * qx)
     acc00 = tl.zeros(ok.shape, tl.float32)
     acc01 = tl.zeros(ok.shape, tl.float32)
     acc10 = tl.zeros(ok.shape, tl.float32)
@@ -74,12 +97,13 @@ def _polyphase_conv2d(ptrs, w_ptr, qy, qx, ok, H, W, K: tl.constexpr, DIR: tl.co
         ty1 = DIR * (oy - 1) + P  # ... by sy = 1
         in0 = (ty0 >= 0) & (ty0 < K)
         in1 = (ty1 >= 0) & (ty1 < K)
-        y = 2 * qy + oy
+        row_ok = ok & _within(2 * qy + oy, H)
+        row = centre + oy * W
         for ix in tl.static_range(K + 1):
             ox = ix - P
             tx0 = DIR * ox + P
             tx1 = DIR * (ox - 1) + P
-            v = _load2d(ptrs, y, 2 * qx + ox, ok, H, W)
+            v = tl.load(row + ox, mask=row_ok & _within(2 * qx + ox, W), other=0.0).to(tl.float32)
             if tx0 >= 0 and tx0 < K:
                 acc00 += tl.load(w_ptr + ty0 * K + tx0, mask=in0, other=0.0).to(tl.float32) * v
                 acc10 += tl.load(w_ptr + ty1 * K + tx0, mask=in1, other=0.0).to(tl.float32) * v
@@ -123,17 +147,28 @@ def _haar_conv2d(ptrs, w_ptr, s_ptr, qy, qx, ok, H, W, K: tl.constexpr, DIR: tl.
     sub-band grid, times the per-band scale and the orthonormal factor 1/2:
     ``acc_b(q) = s[b] / 2 * sum_t w[b, t] * U_b(q + DIR * (t - K // 2))`` where ``U_b(p)`` is the unnormalised
     sub-band b of the plane's 2 x 2 block at 2p, recomputed for every tap from four loads (the sub-bands never go to
-    memory). ``w_ptr`` and ``s_ptr`` point to this channel's ``[4, K * K]`` weights and ``[4]`` scales."""
+    memory). ``w_ptr`` and ``s_ptr`` point to this channel's ``[4, K * K]`` weights and ``[4]`` scales. The pointer of
+    block q is computed once; a tap adds a row offset and a constant column offset."""
     P: tl.constexpr = K // 2
     KK: tl.constexpr = K * K
+    Hq = (H + 1) // 2
+    Wq = (W + 1) // 2
+    H2 = H // 2  # blocks whose lower row (right column) lies inside the plane
+    W2 = W // 2
+    centre = ptrs + (2 * qy * W + 2 * qx)
     acc0 = tl.zeros(ok.shape, tl.float32)
     acc1 = tl.zeros(ok.shape, tl.float32)
     acc2 = tl.zeros(ok.shape, tl.float32)
     acc3 = tl.zeros(ok.shape, tl.float32)
     for ty in range(K):
-        y = 2 * (qy + DIR * (ty - P))
+        uy = DIR * (ty - P)
+        ok_y0 = ok & _within(qy + uy, Hq)
+        ok_y1 = ok & _within(qy + uy, H2)
+        row = centre + 2 * uy * W
         for tx in tl.static_range(K):
-            ll, lh, hl, hh = _haar_block2d(ptrs, y, 2 * (qx + DIR * (tx - P)), ok, H, W)
+            ux = DIR * (tx - P)
+            a, b, c, d = _block_at(row + 2 * ux, W, ok_y0, ok_y1, _within(qx + ux, Wq), _within(qx + ux, W2))
+            ll, lh, hl, hh = _butterfly2d(a, b, c, d)
             t = ty * K + tx
             acc0 += tl.load(w_ptr + t).to(tl.float32) * ll
             acc1 += tl.load(w_ptr + KK + t).to(tl.float32) * lh
@@ -206,9 +241,17 @@ def _butterfly3d(v0, v1, v2, v3, v4, v5, v6, v7):
 @triton.jit
 def _haar_conv3d(ptrs, w_ptr, s_ptr, qz, qy, qx, ok, D, H, W, K: tl.constexpr, DIR: tl.constexpr):
     """3D analogue of :func:`_haar_conv2d` (eight sub-bands, ``w_ptr`` -> ``[8, K**3]``, ``s_ptr`` -> ``[8]``, the
-    orthonormal factor 2**(-3/2)); the z taps are a loop."""
+    orthonormal factor 2**(-3/2)); the z taps are a loop. Pointers and bounds as in :func:`_haar_conv2d`."""
     P: tl.constexpr = K // 2
     KKK: tl.constexpr = K * K * K
+    Dq = (D + 1) // 2
+    Hq = (H + 1) // 2
+    Wq = (W + 1) // 2
+    D2 = D // 2  # blocks whose far slice (row, column) lies inside the volume
+    H2 = H // 2
+    W2 = W // 2
+    HW = H * W
+    centre = ptrs + ((2 * qz * H + 2 * qy) * W + 2 * qx)
     acc0 = tl.zeros(ok.shape, tl.float32)
     acc1 = tl.zeros(ok.shape, tl.float32)
     acc2 = tl.zeros(ok.shape, tl.float32)
@@ -218,11 +261,21 @@ def _haar_conv3d(ptrs, w_ptr, s_ptr, qz, qy, qx, ok, D, H, W, K: tl.constexpr, D
     acc6 = tl.zeros(ok.shape, tl.float32)
     acc7 = tl.zeros(ok.shape, tl.float32)
     for tz in range(K):
-        z = 2 * (qz + DIR * (tz - P))
+        uz = DIR * (tz - P)
+        ok_z0 = ok & _within(qz + uz, Dq)
+        ok_z1 = ok & _within(qz + uz, D2)
         for ty in range(K):
-            y = 2 * (qy + DIR * (ty - P))
+            uy = DIR * (ty - P)
+            y0 = _within(qy + uy, Hq)
+            y1 = _within(qy + uy, H2)
+            row = centre + (2 * uz * H + 2 * uy) * W
             for tx in tl.static_range(K):
-                u0, u1, u2, u3, u4, u5, u6, u7 = _haar_block3d(ptrs, z, y, 2 * (qx + DIR * (tx - P)), ok, D, H, W)
+                ux = DIR * (tx - P)
+                x0 = _within(qx + ux, Wq)
+                x1 = _within(qx + ux, W2)
+                a0, a1, a2, a3 = _block_at(row + 2 * ux, W, ok_z0 & y0, ok_z0 & y1, x0, x1)
+                b0, b1, b2, b3 = _block_at(row + (2 * ux + HW), W, ok_z1 & y0, ok_z1 & y1, x0, x1)
+                u0, u1, u2, u3, u4, u5, u6, u7 = _butterfly3d(a0, a1, a2, a3, b0, b1, b2, b3)
                 wt = w_ptr + (tz * K + ty) * K + tx
                 acc0 += tl.load(wt).to(tl.float32) * u0
                 acc1 += tl.load(wt + KKK).to(tl.float32) * u1

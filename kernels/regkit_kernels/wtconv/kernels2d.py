@@ -10,15 +10,17 @@ import triton
 import triton.language as tl
 
 from regkit_kernels.wtconv._tile import (
-    _block2d,
+    _block_at,
     _butterfly2d,
     _coarse_synthesis2d,
+    _divmod,
     _haar_block2d,
     _haar_conv2d,
     _polyphase_conv2d,
     _store_blocks2d,
     _tile_coords,
     _wgrad_plan,
+    _within,
 )
 
 
@@ -210,13 +212,19 @@ def _wgrad2d_level(
 
     ``G[b, t] = sum_q dZ_b(q) Y_b(q + u_t)`` with dZ and Y the unnormalised sub-bands of g and src, into partial row
     ``row``; with BASE (level 1, src = x, g = dy) also ``Gb[t] = sum_y g(y) src(y + u_t)`` and ``sum_y g(y)`` into the
-    base rows (at ``base_off``)."""
+    base rows (at ``base_off``). A position's pointer is computed once per step and every tap adds a constant offset
+    (``2 u`` blocks for the sub-bands, ``u`` pixels for the base); the bounds are unsigned comparisons of the shifted
+    coordinates."""
     P: tl.constexpr = K // 2
     KK: tl.constexpr = K * K
     t = tl.arange(0, TAPS)
     uy = (t // K - P)[:, None]
     ux = (t % K - P)[:, None]
     tap_ok = (t < KK)[:, None]
+    band_off = 2 * uy * W + 2 * ux
+    base_shift = uy * W + ux
+    H2 = H // 2  # blocks whose lower row lies inside the plane (the upper row of a block at q < Hq always does)
+    W2 = W // 2
     acc0 = tl.zeros([TAPS, BLOCK], tl.float32)
     acc1 = tl.zeros([TAPS, BLOCK], tl.float32)
     acc2 = tl.zeros([TAPS, BLOCK], tl.float32)
@@ -224,25 +232,36 @@ def _wgrad2d_level(
     acc_base = tl.zeros([TAPS, BLOCK], tl.float32)
     acc_bias = tl.zeros([1, BLOCK], tl.float32)
     Q = Hq * Wq
+    inv_q = 1.0 / tl.cast(Q, tl.float32)
+    inv_w = 1.0 / tl.cast(Wq, tl.float32)
     end = tl.minimum(share * SPAN + SPAN, B * Q)
     for start in range(share * SPAN, end, BLOCK):
         n = start + tl.arange(0, BLOCK)[None, :]
         ok = n < end
-        q = n % Q
-        qy = q // Wq
-        qx = q % Wq
-        plane = (n // Q * C + c).to(tl.int64) * H * W
-        g00, g01, g10, g11 = _block2d(g_ptr + plane, 2 * qy, 2 * qx, ok, H, W)
+        b, q = _divmod(n, Q, inv_q)
+        qy, qx = _divmod(q, Wq, inv_w)
+        pos = (b * C + c).to(tl.int64) * H * W + (2 * qy * W + 2 * qx)
+        g00, g01, g10, g11 = _block_at(g_ptr + pos, W, ok, ok & (qy < H2), True, qx < W2)
         d0, d1, d2, d3 = _butterfly2d(g00, g01, g10, g11)
-        src = src_ptr + plane
-        ll, lh, hl, hh = _haar_block2d(src, 2 * (qy + uy), 2 * (qx + ux), ok & tap_ok, H, W)
+        src = src_ptr + pos
+        vy = qy + uy
+        vx = qx + ux
+        ok_t = ok & tap_ok
+        s00, s01, s10, s11 = _block_at(
+            src + band_off, W, ok_t & _within(vy, Hq), ok_t & _within(vy, H2), _within(vx, Wq), _within(vx, W2)
+        )
+        ll, lh, hl, hh = _butterfly2d(s00, s01, s10, s11)
         acc0 += d0 * ll
         acc1 += d1 * lh
         acc2 += d2 * hl
         acc3 += d3 * hh
         if BASE:
-            a, b, cc, d = _block2d(src, 2 * qy + uy, 2 * qx + ux, ok & tap_ok, H, W)
-            acc_base += g00 * a + g01 * b + g10 * cc + g11 * d
+            y = 2 * qy + uy
+            x = 2 * qx + ux
+            a, bb, cc, d = _block_at(
+                src + base_shift, W, ok_t & _within(y, H), ok_t & _within(y + 1, H), _within(x, W), _within(x + 1, W)
+            )
+            acc_base += g00 * a + g01 * bb + g10 * cc + g11 * d
             acc_bias += g00 + g01 + g10 + g11
     t_ok = t < KK
     out = part_ptr + (row * C + c) * 4 * KK + t

@@ -9,16 +9,17 @@ import triton
 import triton.language as tl
 
 from regkit_kernels.wtconv._tile import (
-    _block2d,
+    _block_at,
     _butterfly3d,
     _coarse_synthesis3d,
+    _divmod,
     _haar_block3d,
     _haar_conv3d,
     _polyphase_conv3d,
-    _slice3d,
     _store_blocks3d,
     _tile_coords,
     _wgrad_plan,
+    _within,
 )
 
 _R3: tl.constexpr = tl.constexpr(0.35355339059327373)  # 2**(-3/2), the orthonormal 3D Haar factor
@@ -256,14 +257,21 @@ def _wgrad3d_level(
     K: tl.constexpr, BASE: tl.constexpr, TAPS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One level's weight-gradient sums for one z tap and one share of channel c; see ``_wgrad2d_level`` (the tile's
-    tap axis holds the K x K in-plane taps of z tap ``tz``)."""
+    tap axis holds the K x K in-plane taps of z tap ``tz``; a block is two z-slices of 2 x 2 pixels)."""
     P: tl.constexpr = K // 2
     KK: tl.constexpr = K * K
     KKK: tl.constexpr = K * K * K
     t = tl.arange(0, TAPS)
+    uz = tz - P
     uy = (t // K - P)[:, None]
     ux = (t % K - P)[:, None]
     tap_ok = (t < KK)[:, None]
+    HW = H * W
+    band_off = (2 * uz * H + 2 * uy) * W + 2 * ux
+    base_shift = (uz * H + uy) * W + ux
+    D2 = D // 2  # blocks whose far slice, row or column lies inside the volume
+    H2 = H // 2
+    W2 = W // 2
     acc0 = tl.zeros([TAPS, BLOCK], tl.float32)
     acc1 = tl.zeros([TAPS, BLOCK], tl.float32)
     acc2 = tl.zeros([TAPS, BLOCK], tl.float32)
@@ -274,23 +282,40 @@ def _wgrad3d_level(
     acc7 = tl.zeros([TAPS, BLOCK], tl.float32)
     acc_base = tl.zeros([TAPS, BLOCK], tl.float32)
     acc_bias = tl.zeros([1, BLOCK], tl.float32)
-    Q = Dq * Hq * Wq
+    HWq = Hq * Wq
+    Q = Dq * HWq
+    inv_q = 1.0 / tl.cast(Q, tl.float32)
+    inv_hw = 1.0 / tl.cast(HWq, tl.float32)
+    inv_w = 1.0 / tl.cast(Wq, tl.float32)
     end = tl.minimum(share * SPAN + SPAN, B * Q)
     for start in range(share * SPAN, end, BLOCK):
         n = start + tl.arange(0, BLOCK)[None, :]
         ok = n < end
-        qz, qy, qx = _grid_coords3d(n % Q, Hq, Wq)
-        plane = (n // Q * C + c).to(tl.int64) * D * H * W
-        gs = g_ptr + plane
-        p0, ok0 = _slice3d(gs, 2 * qz, ok, D, H * W)
-        p1, ok1 = _slice3d(gs, 2 * qz + 1, ok, D, H * W)
-        g0, g1, g2, g3 = _block2d(p0, 2 * qy, 2 * qx, ok0, H, W)
-        g4, g5, g6, g7 = _block2d(p1, 2 * qy, 2 * qx, ok1, H, W)
+        b, q = _divmod(n, Q, inv_q)
+        qz, r = _divmod(q, HWq, inv_hw)
+        qy, qx = _divmod(r, Wq, inv_w)
+        pos = (b * C + c).to(tl.int64) * D * HW + ((2 * qz * H + 2 * qy) * W + 2 * qx)
+        gs = g_ptr + pos
+        y1 = qy < H2
+        x1 = qx < W2
+        g0, g1, g2, g3 = _block_at(gs, W, ok, ok & y1, True, x1)
+        g4, g5, g6, g7 = _block_at(gs + HW, W, ok & (qz < D2), ok & (qz < D2) & y1, True, x1)
         d0, d1, d2, d3, d4, d5, d6, d7 = _butterfly3d(g0, g1, g2, g3, g4, g5, g6, g7)
-        src = src_ptr + plane
-        u0, u1, u2, u3, u4, u5, u6, u7 = _haar_block3d(
-            src, 2 * (qz + tz - P), 2 * (qy + uy), 2 * (qx + ux), ok & tap_ok, D, H, W
-        )
+        src = src_ptr + pos
+        vz = qz + uz
+        vy = qy + uy
+        vx = qx + ux
+        ok_t = ok & tap_ok
+        ry0 = _within(vy, Hq)
+        ry1 = _within(vy, H2)
+        rx0 = _within(vx, Wq)
+        rx1 = _within(vx, W2)
+        hs = src + band_off
+        ok_z0 = ok_t & _within(vz, Dq)
+        ok_z1 = ok_t & _within(vz, D2)
+        s0, s1, s2, s3 = _block_at(hs, W, ok_z0 & ry0, ok_z0 & ry1, rx0, rx1)
+        s4, s5, s6, s7 = _block_at(hs + HW, W, ok_z1 & ry0, ok_z1 & ry1, rx0, rx1)
+        u0, u1, u2, u3, u4, u5, u6, u7 = _butterfly3d(s0, s1, s2, s3, s4, s5, s6, s7)
         acc0 += d0 * u0
         acc1 += d1 * u1
         acc2 += d2 * u2
@@ -300,10 +325,18 @@ def _wgrad3d_level(
         acc6 += d6 * u6
         acc7 += d7 * u7
         if BASE:
-            s0, oks0 = _slice3d(src, 2 * qz + tz - P, ok & tap_ok, D, H * W)
-            a0, a1, a2, a3 = _block2d(s0, 2 * qy + uy, 2 * qx + ux, oks0, H, W)
-            s1, oks1 = _slice3d(src, 2 * qz + 1 + tz - P, ok & tap_ok, D, H * W)
-            a4, a5, a6, a7 = _block2d(s1, 2 * qy + uy, 2 * qx + ux, oks1, H, W)
+            z = 2 * qz + uz
+            y = 2 * qy + uy
+            x = 2 * qx + ux
+            by0 = _within(y, H)
+            by1 = _within(y + 1, H)
+            bx0 = _within(x, W)
+            bx1 = _within(x + 1, W)
+            bs = src + base_shift
+            ok_b0 = ok_t & _within(z, D)
+            ok_b1 = ok_t & _within(z + 1, D)
+            a0, a1, a2, a3 = _block_at(bs, W, ok_b0 & by0, ok_b0 & by1, bx0, bx1)
+            a4, a5, a6, a7 = _block_at(bs + HW, W, ok_b1 & by0, ok_b1 & by1, bx0, bx1)
             acc_base += g0 * a0 + g1 * a1 + g2 * a2 + g3 * a3 + g4 * a4 + g5 * a5 + g6 * a6 + g7 * a7
             acc_bias += g0 + g1 + g2 + g3 + g4 + g5 + g6 + g7
     t_ok = t < KK
