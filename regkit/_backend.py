@@ -1,8 +1,9 @@
-"""Backend selection: the one place where regkit reaches the optional Triton kernels (``regkit_kernels``).
+"""Backend selection: the one place where regkit reaches the optional compiled kernels (``regkit_kernels``).
 
-Every fast op has up to three faces with one signature: ``"reference"`` (readable pure PyTorch, the spec and the CPU
-path), ``"torch"`` (a factorized PyTorch path, where the algorithm has one) and ``"triton"`` (fused kernels, CUDA only).
-The backend is an explicit argument threaded from the configuration, never a global switch.
+Every fast op has up to four faces with one signature: ``"reference"`` (readable pure PyTorch, the spec),
+``"torch"`` (a factorized PyTorch path, where the algorithm has one), ``"numba"`` (compiled CPU kernels,
+``regkit_kernels.<op>_numba``, where the op has them) and ``"triton"`` (fused kernels, ``regkit_kernels.<op>``,
+CUDA only). The backend is an explicit argument threaded from the configuration, never a global switch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from regkit.errors import RegkitError
 
-BACKENDS = ("auto", "reference", "torch", "triton")
+BACKENDS = ("auto", "reference", "torch", "numba", "triton")
 
 
 class BackendError(RegkitError):
@@ -23,15 +24,21 @@ class BackendError(RegkitError):
 
 
 def load_kernels(name: str) -> ModuleType:
-    """Import ``regkit_kernels.<name>`` (e.g. ``"cpab"``, ``"wtconv"``); raise BackendError if it cannot be imported."""
+    """Import ``regkit_kernels.<name>`` (e.g. ``"cpab"``, ``"wtconv"``, ``"cpab_numba"``); raise BackendError if it
+    cannot be imported (triton or numba missing)."""
     try:
         return importlib.import_module(f"regkit_kernels.{name}")
     except ImportError as exc:
-        raise BackendError(f"the Triton kernels 'regkit_kernels.{name}' cannot be imported: {exc}") from exc
+        raise BackendError(f"the kernels 'regkit_kernels.{name}' cannot be imported: {exc}") from exc
 
 
-def triton_available(name: str) -> bool:
-    """True when ``regkit_kernels.<name>`` imports (triton installed and the kernels present)."""
+def kernels_module(face: str, kernels: str) -> str:
+    """The ``regkit_kernels`` submodule of an op's compiled face: ``<kernels>`` for triton, ``<kernels>_numba``."""
+    return f"{kernels}_numba" if face == "numba" else kernels
+
+
+def kernels_available(name: str) -> bool:
+    """True when ``regkit_kernels.<name>`` imports (its compiler installed and the kernels present)."""
     try:
         load_kernels(name)
     except BackendError:
@@ -45,11 +52,12 @@ def resolve_backend(requested: str, device: torch.device | str, kernels: str, *,
     Args:
         requested: ``"auto"`` or one of the op's ``faces``.
         device: where the op's tensors live.
-        kernels: the ``regkit_kernels`` submodule holding the op's Triton face.
+        kernels: the ``regkit_kernels`` submodule holding the op's Triton face (``kernels_module``).
         faces: the concrete backends the op offers, fastest PyTorch face last among ``reference``/``torch``.
 
-    ``auto`` means ``triton`` for CUDA tensors when the kernels import, else the op's fastest PyTorch face. Asking for
-    ``triton`` on a CPU tensor is allowed only under ``TRITON_INTERPRET=1`` (the tests); otherwise it is an error.
+    ``auto`` means ``triton`` for CUDA tensors and ``numba`` for CPU tensors when the op has that face and its kernels
+    import, else the op's fastest PyTorch face. Asking for ``triton`` on a CPU tensor is allowed only under
+    ``TRITON_INTERPRET=1`` (the tests), for ``numba`` on a CUDA tensor never.
     """
     if requested not in BACKENDS:
         raise BackendError(f"unknown backend '{requested}'; choose one of {', '.join(BACKENDS)}")
@@ -57,9 +65,14 @@ def resolve_backend(requested: str, device: torch.device | str, kernels: str, *,
         raise BackendError(f"backend '{requested}' is not offered here; choose one of auto, {', '.join(faces)}")
     device = torch.device(device)
     if requested == "auto":
-        if "triton" in faces and device.type == "cuda" and triton_available(kernels):
-            return "triton"
+        compiled = "triton" if device.type == "cuda" else "numba"
+        if compiled in faces and kernels_available(kernels_module(compiled, kernels)):
+            return compiled
         return "torch" if "torch" in faces else "reference"
+    if requested == "numba":
+        if device.type != "cpu":
+            raise BackendError("backend 'numba' needs CPU tensors")
+        load_kernels(kernels_module("numba", kernels))
     if requested == "triton":
         import os
 

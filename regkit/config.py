@@ -433,10 +433,11 @@ class RegistrationConfig(_Model):
 
     dim: Literal[2, 3] | None = Field(default=None, description="Image dimension, 2 or 3; null: taken from the images.")
     device: str = Field(default="auto", description="Where to compute: auto (CUDA if available), cpu, cuda or cuda:N.")
-    backend: Literal["auto", "reference", "torch", "triton"] = Field(
+    backend: Literal["auto", "reference", "torch", "numba", "triton"] = Field(
         default="auto",
-        description="Implementation of the heavy operations: reference (pure PyTorch specification), torch "
-        "(factorized PyTorch), triton (fused kernels, CUDA only) or auto (the fastest available).",
+        description="Implementation of the CPAB integration: reference (pure PyTorch specification), torch "
+        "(factorized PyTorch), numba (compiled kernels, CPU only), triton (fused kernels, CUDA only) or auto (the "
+        "fastest available: triton on CUDA, numba on the CPU).",
     )
     cuda_graphs: bool = Field(
         default=True,

@@ -34,9 +34,9 @@ from regkit.cpab.tessellation import Tessellation
 if TYPE_CHECKING:
     from regkit.cpab.basis import CPABasis
 
-FACES = ("reference", "torch", "triton")
-"""The integration backends offered here; ``"auto"`` picks ``"triton"`` for CUDA tensors, else ``"torch"``
-(``regkit._backend.resolve_backend``)."""
+FACES = ("reference", "torch", "numba", "triton")
+"""The integration backends offered here; ``"auto"`` picks ``"triton"`` for CUDA tensors and ``"numba"`` for CPU
+tensors where their kernels import, else ``"torch"`` (``regkit._backend.resolve_backend``)."""
 
 DEFAULT_STEPS = 50
 DEFAULT_CHECKPOINT_EVERY = 5
@@ -370,10 +370,12 @@ def integrate(
 
     ``points (N, n) | (B, N, n)``, ``A (C, n, n + 1) | (B, C, n, n + 1)`` -> ``(B?, N, n)``, domain coordinates.
     ``backend``: ``"reference"`` (:func:`integrate_reference`, unrolled autograd), ``"torch"`` (:class:`CPABIntegrate`,
-    the factorized adjoint, ``checkpoint_every`` steps per recomputed segment), ``"triton"`` (the same in fused
-    kernels, ``regkit_kernels.cpab``; CUDA) or ``"auto"`` (``"triton"`` on CUDA, else ``"torch"``).
-    All backends return the same values and the same gradients (``"triton"`` up to the rounding of its step matrices,
-    which it computes in its own kernel).
+    the factorized adjoint, ``checkpoint_every`` steps per recomputed segment), ``"numba"`` (the same compiled for the
+    CPU, ``regkit_kernels.cpab_numba``; it recomputes each point's trajectory and ignores ``checkpoint_every``),
+    ``"triton"`` (the same in fused kernels, ``regkit_kernels.cpab``; CUDA) or ``"auto"`` (``"triton"`` on CUDA,
+    ``"numba"`` on the CPU, ``"torch"`` where their kernels do not import).
+    All backends return the same values and the same gradients (``"numba"`` and ``"triton"`` up to the rounding of
+    their step matrices, which they compute in their own kernels).
     """
     _check_steps(steps)
     if isinstance(checkpoint_every, bool) or int(checkpoint_every) != checkpoint_every or checkpoint_every < 1:
@@ -385,6 +387,8 @@ def integrate(
     if chosen == "triton":
         fused = load_kernels("cpab").cpab_integrate
         return _unbatched(fused(P, A4, tess, t=t, steps=steps, checkpoint_every=checkpoint_every), keep)
+    if chosen == "numba":
+        return _unbatched(load_kernels("cpab_numba").cpab_integrate(P, A4, tess, t=t, steps=steps), keep)
     return _unbatched(CPABIntegrate.apply(P, A4, tess, float(t), int(steps), int(checkpoint_every)), keep)
 
 

@@ -13,6 +13,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from regkit._backend import load_kernels, resolve_backend
+
+_BOX_FACES = ("torch", "numba")
 # A sampled Gaussian is truncated at this many sigmas (the discarded tail holds < 1e-4 of the mass).
 _GAUSS_TRUNCATE = 4.0
 
@@ -40,20 +43,26 @@ def _check_image(image: torch.Tensor) -> int:
     return image.dim() - 2
 
 
-def box_sum(image: torch.Tensor, window: int | Sequence[int]) -> torch.Tensor:
+def box_sum(image: torch.Tensor, window: int | Sequence[int], backend: str = "auto") -> torch.Tensor:
     """Sum over a centred box window around every voxel (zero outside the image), same shape as ``image``.
 
-    ``window`` is odd, in voxels, in index order. Computed per axis as a difference of cumulative sums, so the cost
-    does not depend on the window size. The filter is self-adjoint, and its backward pass is the same box sum.
+    ``window`` is odd, in voxels, in index order. ``backend``: ``"torch"`` computes each axis as a difference of
+    cumulative sums (the cost does not depend on the window size); ``"numba"`` (CPU tensors,
+    ``regkit_kernels.filters_numba``) adds the window's voxels directly, several times faster on the CPU for small
+    windows; ``"auto"`` takes numba on the CPU where it imports. The filter is self-adjoint, and its backward pass is
+    the same box sum.
     """
     ndim = _check_image(image)
     sizes = tuple(int(k) for k in per_axis(window, ndim, "window"))
     if any(k < 1 or k % 2 == 0 for k in sizes):
         raise ValueError(f"box window sizes must be odd positive integers, got {sizes}")
-    return _BoxSum.apply(image, sizes)
+    return _BoxSum.apply(image, sizes, resolve_backend(backend, image.device, "filters", faces=_BOX_FACES))
 
 
-def _box_sum(image: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+def _box_sum(image: torch.Tensor, sizes: tuple[int, ...], backend: str) -> torch.Tensor:
+    if backend == "numba":
+        ones = [None if k == 1 else torch.ones(k, dtype=image.dtype) for k in sizes]
+        return load_kernels("filters_numba").separable(image, ones, edge=False)
     out = image
     for index_axis, k in enumerate(sizes):
         if k == 1:
@@ -68,13 +77,13 @@ def _box_sum(image: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
 
 class _BoxSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, image: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
-        ctx.sizes = sizes
-        return _box_sum(image, sizes)
+    def forward(ctx: Any, image: torch.Tensor, sizes: tuple[int, ...], backend: str) -> torch.Tensor:
+        ctx.sizes, ctx.backend = sizes, backend
+        return _box_sum(image, sizes, backend)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _BoxSum.apply(grad, ctx.sizes), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _BoxSum.apply(grad, ctx.sizes, ctx.backend), None, None
 
 
 def gaussian_kernel1d(sigma: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -85,21 +94,26 @@ def gaussian_kernel1d(sigma: float, dtype: torch.dtype, device: torch.device) ->
     return kernel / kernel.sum()
 
 
-def gaussian_smooth(image: torch.Tensor, sigma: float | Sequence[float]) -> torch.Tensor:
+def gaussian_smooth(image: torch.Tensor, sigma: float | Sequence[float], backend: str = "auto") -> torch.Tensor:
     """Convolve ``image`` ``(B, C, *spatial)`` with a Gaussian of standard deviation ``sigma`` voxels per axis.
 
     ``sigma`` is in voxels, index order (x, y[, z]); an axis with sigma 0 is left alone. The image is extended by
-    replicating its border voxels, so a constant image stays constant.
+    replicating its border voxels, so a constant image stays constant. ``backend``: ``"torch"`` (``conv1d`` over
+    lines, differentiable), ``"numba"`` (CPU tensors that need no gradient; several times faster) or ``"auto"``
+    (numba where it applies and imports).
     """
     ndim = _check_image(image)
     sigmas = per_axis(sigma, ndim, "sigma")
     if any(s < 0 for s in sigmas):
         raise ValueError(f"sigma must be non-negative, got {sigmas}")
+    kernels = [None if s == 0 else gaussian_kernel1d(s, image.dtype, image.device) for s in sigmas]
+    chosen = resolve_backend(backend, image.device, "filters", faces=_BOX_FACES)
+    if chosen == "numba" and not (image.requires_grad and torch.is_grad_enabled()):
+        return load_kernels("filters_numba").separable(image, kernels, edge=True)
     out = image
-    for index_axis, s in enumerate(sigmas):
-        if s == 0:
+    for index_axis, kernel in enumerate(kernels):
+        if kernel is None:
             continue
-        kernel = gaussian_kernel1d(s, image.dtype, image.device)
         r = kernel.numel() // 2
         moved = out.movedim(_tensor_axis(image, index_axis), -1)
         lines = moved.reshape(-1, 1, moved.shape[-1])

@@ -4,8 +4,9 @@ import torch
 from regkit._backend import BackendError, load_kernels, resolve_backend
 
 
-def test_auto_on_cpu_picks_the_fastest_pytorch_face():
+def test_auto_on_cpu_picks_numba_else_the_fastest_pytorch_face():
     assert resolve_backend("auto", "cpu", "cpab", faces=("reference", "torch", "triton")) == "torch"
+    assert resolve_backend("auto", "cpu", "cpab", faces=("reference", "torch", "numba", "triton")) == "numba"
     assert resolve_backend("auto", "cpu", "wtconv", faces=("reference", "triton")) == "reference"
 
 
@@ -24,6 +25,11 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(BackendError, match="needs CUDA"):
         resolve_backend("triton", torch.device("cpu"), "cpab", faces=("reference", "triton"))
+
+
+def test_numba_needs_cpu_tensors():
+    with pytest.raises(BackendError, match="needs CPU"):
+        resolve_backend("numba", torch.device("cuda"), "cpab", faces=("reference", "torch", "numba", "triton"))
 
 
 def test_missing_kernel_module_is_a_clear_error():

@@ -86,7 +86,9 @@ def test_factorized_forward_equals_reference_exactly(shape: tuple[int, ...]) -> 
     reference = integrate_reference(points, A, basis.tess, steps=11)
     assert reference.shape == (2, points.shape[0], len(shape))
     for every in (1, 3, 8, 11, 40):
-        assert torch.equal(integrate(points, A, basis.tess, steps=11, checkpoint_every=every), reference)
+        assert torch.equal(
+            integrate(points, A, basis.tess, steps=11, checkpoint_every=every, backend="torch"), reference
+        )
     trajectory = integrate_trajectory(points, A, basis.tess, steps=11)
     assert trajectory.shape == (12, *reference.shape)
     assert torch.equal(trajectory[-1], reference)
@@ -271,7 +273,8 @@ def test_checkpoint_interval_does_not_change_gradients(shape: tuple[int, ...]) -
     weights = torch.randn(2, 30, len(shape), dtype=F64)
     grads = [
         torch.autograd.grad(
-            (integrate(points, A, basis.tess, steps=13, checkpoint_every=k) * weights).sum(), (points, A)
+            (integrate(points, A, basis.tess, steps=13, checkpoint_every=k, backend="torch") * weights).sum(),
+            (points, A),
         )
         for k in (1, 4, 13, 50)
     ]

@@ -1,0 +1,409 @@
+"""CPAB integration on the CPU, compiled with numba: the expm-step scheme and its factorized adjoint, one point at a
+time through all steps, so that nothing of the trajectory goes through memory.
+
+The CPU counterpart of ``regkit_kernels.cpab`` (Triton, CUDA), reached from ``regkit.cpab.integrate`` as the
+``"numba"`` backend through ``regkit._backend``. It computes exactly the scheme of ``regkit.cpab.integrate`` (read its
+module docstring first): ``T`` steps ``x <- E_c [x; 1]`` with ``c = tess.locate(x)`` and ``E_c`` the top ``n`` rows of
+``expm(h [A_c; 0])``, in domain coordinates, (x, y[, z]) order. Per point it reproduces the PyTorch path's arithmetic
+operation by operation in the points' dtype (the same cell lookup, the same evaluation order, no fused multiply-adds),
+so from the same step matrices it gives bit-identical positions. The step matrices themselves are computed here in
+float64 (scaling and squaring of a Taylor series) and rounded to the points' dtype, so they differ from
+``torch.linalg.matrix_exp``'s by about one rounding.
+
+Backward (the factorized adjoint): each point's trajectory is recomputed from its start into a small per-thread buffer
+(no checkpoints in memory: on the CPU a step costs little next to a pass over memory), then swept backward: the
+per-cell moments ``M_c += lambda_{s+1} [x_s; 1]^T`` go into one float64 table per thread (summed at the end: the
+result does not depend on the thread schedule beyond that final sum's fixed order), and ``lambda_s = E_lin(c_s)^T
+lambda_{s+1}``. ``dL/dA`` is then ``M`` pulled back through the matrix exponential by its Frechet derivative at
+``(h Ã)^T`` (the adjoint of ``expm``), computed by the same scaling and squaring.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numba
+import numpy as np
+import torch
+
+_TAYLOR_DEGREE = 10
+_TAYLOR_NORM = 0.25  # scale h Ã by 2^-s until its 1-norm is at most this: truncation error below ~1e-14
+_CELL_CHUNK = 256  # cells per task of the matrix-exponential kernels
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The matrix exponential and its adjoint (float64, per cell)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@numba.njit(cache=True)
+def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    m = a.shape[0]
+    for i in range(m):
+        for j in range(m):
+            acc = 0.0
+            for k in range(m):
+                acc += a[i, k] * b[k, j]
+            out[i, j] = acc
+
+
+@numba.njit(cache=True)
+def _squarings(X: np.ndarray) -> int:
+    """The number of squarings ``s`` that brings ``X``'s 1-norm to at most ``_TAYLOR_NORM``."""
+    m = X.shape[0]
+    norm = 0.0
+    for j in range(m):
+        col = 0.0
+        for i in range(m):
+            col += abs(X[i, j])
+        norm = max(norm, col)
+    if norm <= _TAYLOR_NORM:
+        return 0
+    return math.ceil(math.log2(norm / _TAYLOR_NORM))
+
+
+@numba.njit(cache=True)
+def _expm_frechet(X: np.ndarray, G: np.ndarray, P: np.ndarray, Q: np.ndarray, work: np.ndarray) -> None:
+    """``P = expm(X)`` and, when ``G`` is not empty, ``Q = L(X, G)``, the Frechet derivative of ``expm`` at ``X`` in
+    the direction ``G`` (float64 ``(m, m)``). Taylor series of degree ``_TAYLOR_DEGREE`` of ``X / 2^s`` and its
+    derivative (``T_k = Y T_{k-1} / k``, ``D_k = (Y D_{k-1} + G' T_{k-1}) / k``), then ``s`` squarings
+    ``(P, Q) <- (P P, P Q + Q P)``. ``work``: scratch ``(4, m, m)``."""
+    m = X.shape[0]
+    frechet = G.shape[0] > 0
+    s = _squarings(X)
+    scale = 0.5**s
+    Y, term, dterm, tmp = work[0], work[1], work[2], work[3]
+    for i in range(m):
+        for j in range(m):
+            Y[i, j] = X[i, j] * scale
+            term[i, j] = 1.0 if i == j else 0.0
+            P[i, j] = term[i, j]
+            if frechet:
+                dterm[i, j] = 0.0
+                Q[i, j] = 0.0
+    for k in range(1, _TAYLOR_DEGREE + 1):
+        if frechet:  # D_k from D_{k-1} and T_{k-1}: before T_k overwrites T_{k-1}
+            _matmul(Y, dterm, tmp)
+            for i in range(m):
+                for j in range(m):
+                    acc = tmp[i, j]
+                    for c in range(m):
+                        acc += G[i, c] * scale * term[c, j]
+                    dterm[i, j] = acc / k
+                    Q[i, j] += dterm[i, j]
+        _matmul(Y, term, tmp)
+        for i in range(m):
+            for j in range(m):
+                term[i, j] = tmp[i, j] / k
+                P[i, j] += term[i, j]
+    for _ in range(s):
+        if frechet:
+            _matmul(P, Q, tmp)
+            _matmul(Q, P, term)
+            for i in range(m):
+                for j in range(m):
+                    Q[i, j] = tmp[i, j] + term[i, j]
+        _matmul(P, P, tmp)
+        for i in range(m):
+            for j in range(m):
+                P[i, j] = tmp[i, j]
+
+
+@numba.njit(parallel=True, cache=True)
+def _step_matrices_kernel(A: np.ndarray, h: float, E: np.ndarray) -> None:
+    """``E[c] = expm(h [A_c; 0])[:n]`` for ``A (K, n, n + 1)`` float64, ``E`` in any float dtype."""
+    K, n, m = A.shape
+    for chunk in numba.prange((K + _CELL_CHUNK - 1) // _CELL_CHUNK):
+        X = np.zeros((m, m))
+        P = np.empty((m, m))
+        work = np.empty((4, m, m))
+        none = np.empty((0, 0))
+        for c in range(chunk * _CELL_CHUNK, min(K, (chunk + 1) * _CELL_CHUNK)):
+            for i in range(n):
+                for j in range(m):
+                    X[i, j] = h * A[c, i, j]
+            _expm_frechet(X, none, P, none, work)
+            for i in range(n):
+                for j in range(m):
+                    E[c, i, j] = P[i, j]
+
+
+@numba.njit(parallel=True, cache=True)
+def _step_matrices_vjp_kernel(A: np.ndarray, h: float, grad_E: np.ndarray, grad_A: np.ndarray) -> None:
+    """``dL/dA`` from ``dL/dE`` for ``E = expm(h [A; 0])[:n]``: ``h L((h Ã)^T, [dL/dE; 0])[:n]``, float64
+    ``(K, n, m)``."""
+    K, n, m = A.shape
+    for chunk in numba.prange((K + _CELL_CHUNK - 1) // _CELL_CHUNK):
+        X = np.zeros((m, m))
+        G = np.zeros((m, m))
+        P = np.empty((m, m))
+        Q = np.empty((m, m))
+        work = np.empty((4, m, m))
+        for c in range(chunk * _CELL_CHUNK, min(K, (chunk + 1) * _CELL_CHUNK)):
+            for i in range(n):
+                for j in range(m):
+                    X[j, i] = h * A[c, i, j]
+                    G[i, j] = grad_E[c, i, j]
+            _expm_frechet(X, G, P, Q, work)
+            for i in range(n):
+                for j in range(m):
+                    grad_A[c, i, j] = h * Q[i, j]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Cell lookup and steps (the points' dtype, operation for operation as regkit.cpab)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@numba.njit(cache=True, inline="always")
+def _axis(x: Any, lower: Any, extent: Any, count: Any, zero: Any, one: Any) -> tuple[int, Any]:
+    """Box index along one axis and the local coordinate in it (``Tessellation.locate``: NaN counts as ``lower``,
+    the projection onto the box for points outside, ``x == upper`` in the last box)."""
+    t = (x - lower) / extent
+    if t != t:
+        t = zero
+    t = min(max(t, zero), one) * count
+    box = min(np.floor(t), count - one)
+    return int(box), min(max(t - box, zero), one)
+
+
+@numba.njit(cache=True, inline="always")
+def _cell2(x0: Any, x1: Any, geom: np.ndarray, nx: int) -> int:
+    zero, one = geom[6], geom[7]
+    i, lx = _axis(x0, geom[0], geom[2], geom[4], zero, one)
+    j, ly = _axis(x1, geom[1], geom[3], geom[5], zero, one)
+    above_main = ly > lx
+    above_anti = ly > one - lx
+    return 4 * (i + nx * j) + 2 * int(above_main) + int(above_main != above_anti)
+
+
+@numba.njit(cache=True, inline="always")
+def _cell3(x0: Any, x1: Any, x2: Any, geom: np.ndarray, nx: int, ny: int) -> int:
+    zero, one, two = geom[9], geom[10], geom[11]
+    i, lx = _axis(x0, geom[0], geom[3], geom[6], zero, one)
+    j, ly = _axis(x1, geom[1], geom[4], geom[7], zero, one)
+    k, lz = _axis(x2, geom[2], geom[5], geom[8], zero, one)
+    if (i + j + k) % 2 == 1:
+        lx = one - lx
+    local = int(lx - ly - lz > zero) + 2 * int(ly - lx - lz > zero) + 3 * int(lz - lx - ly > zero)
+    local += 4 * int(lx + ly + lz > two)
+    return 5 * (i + nx * (j + ny * k)) + local
+
+
+@numba.njit(parallel=True, cache=True)
+def _forward2(points: np.ndarray, E: np.ndarray, geom: np.ndarray, nx: int, steps: int, out: np.ndarray) -> None:
+    B, N = out.shape[0], out.shape[1]
+    shared = points.shape[0] == 1
+    for flat in numba.prange(B * N):
+        b, p = flat // N, flat % N
+        src = 0 if shared else b
+        x0, x1 = points[src, p, 0], points[src, p, 1]
+        for _ in range(steps):
+            c = _cell2(x0, x1, geom, nx)
+            x0, x1 = (
+                (E[b, c, 0, 0] * x0 + E[b, c, 0, 1] * x1) + E[b, c, 0, 2],
+                (E[b, c, 1, 0] * x0 + E[b, c, 1, 1] * x1) + E[b, c, 1, 2],
+            )
+        out[b, p, 0], out[b, p, 1] = x0, x1
+
+
+@numba.njit(parallel=True, cache=True)
+def _forward3(
+    points: np.ndarray, E: np.ndarray, geom: np.ndarray, nx: int, ny: int, steps: int, out: np.ndarray
+) -> None:
+    B, N = out.shape[0], out.shape[1]
+    shared = points.shape[0] == 1
+    for flat in numba.prange(B * N):
+        b, p = flat // N, flat % N
+        src = 0 if shared else b
+        x0, x1, x2 = points[src, p, 0], points[src, p, 1], points[src, p, 2]
+        for _ in range(steps):
+            c = _cell3(x0, x1, x2, geom, nx, ny)
+            x0, x1, x2 = (
+                ((E[b, c, 0, 0] * x0 + E[b, c, 0, 1] * x1) + E[b, c, 0, 2] * x2) + E[b, c, 0, 3],
+                ((E[b, c, 1, 0] * x0 + E[b, c, 1, 1] * x1) + E[b, c, 1, 2] * x2) + E[b, c, 1, 3],
+                ((E[b, c, 2, 0] * x0 + E[b, c, 2, 1] * x1) + E[b, c, 2, 2] * x2) + E[b, c, 2, 3],
+            )
+        out[b, p, 0], out[b, p, 1], out[b, p, 2] = x0, x1, x2
+
+
+@numba.njit(parallel=True, cache=True)
+def _backward(
+    points: np.ndarray,
+    E: np.ndarray,
+    geom: np.ndarray,
+    nx: int,
+    ny: int,
+    steps: int,
+    grad_out: np.ndarray,
+    grad_points: np.ndarray,
+    moments: np.ndarray,
+    want_moments: bool,
+) -> None:
+    """Per point: recompute the trajectory, sweep the adjoint back; ``moments (tasks, B, C, n, n + 1)`` float64, one
+    table per task (the points split into ``tasks`` contiguous ranges)."""
+    B, N, n = grad_out.shape
+    tasks = moments.shape[0]
+    shared = points.shape[0] == 1
+    total = B * N
+    for task in numba.prange(tasks):
+        xs = np.empty((steps + 1, n), dtype=grad_out.dtype)
+        cells = np.empty(steps, dtype=np.int64)
+        lam = np.empty(n, dtype=grad_out.dtype)
+        new = np.empty(n, dtype=grad_out.dtype)
+        table = moments[task]
+        for flat in range(task * total // tasks, (task + 1) * total // tasks):
+            b, p = flat // N, flat % N
+            src = 0 if shared else b
+            for i in range(n):
+                xs[0, i] = points[src, p, i]
+            for s in range(steps):
+                if n == 2:
+                    c = _cell2(xs[s, 0], xs[s, 1], geom, nx)
+                else:
+                    c = _cell3(xs[s, 0], xs[s, 1], xs[s, 2], geom, nx, ny)
+                cells[s] = c
+                for i in range(n):
+                    acc = E[b, c, i, 0] * xs[s, 0]
+                    for j in range(1, n):
+                        acc = acc + E[b, c, i, j] * xs[s, j]
+                    xs[s + 1, i] = acc + E[b, c, i, n]
+            for i in range(n):
+                lam[i] = grad_out[b, p, i]
+            for s in range(steps - 1, -1, -1):
+                c = cells[s]
+                if want_moments:
+                    for i in range(n):
+                        li = np.float64(lam[i])
+                        for j in range(n):
+                            table[b, c, i, j] += li * xs[s, j]
+                        table[b, c, i, n] += li
+                for j in range(n):
+                    acc = E[b, c, 0, j] * lam[0]
+                    for i in range(1, n):
+                        acc = acc + E[b, c, i, j] * lam[i]
+                    new[j] = acc
+                for j in range(n):
+                    lam[j] = new[j]
+            for i in range(n):
+                grad_points[b, p, i] = lam[i]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Launchers and the autograd Function
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _threads() -> int:
+    """Use as many threads as torch does (``torch.set_num_threads``, the CLI's ``--threads``)."""
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(threads)
+    return threads
+
+
+def step_matrices(A: torch.Tensor, h: float) -> torch.Tensor:
+    """Per-cell step matrices ``E (..., C, n, n + 1)`` = the top ``n`` rows of ``expm(h [A_c; 0])``, in ``A``'s dtype
+    (computed in float64). ``A (..., C, n, n + 1)``: the cells' affine velocities, domain coordinates. Not
+    differentiable (:class:`CPABIntegrateNumba` differentiates through :func:`step_matrices_vjp`)."""
+    _threads()
+    flat = A.detach().reshape(-1, *A.shape[-2:]).to(torch.float64).contiguous()
+    E = torch.empty(flat.shape, dtype=A.dtype)
+    _step_matrices_kernel(flat.numpy(), float(h), E.numpy())
+    return E.view(A.shape)
+
+
+def step_matrices_vjp(A: torch.Tensor, h: float, grad_E: torch.Tensor) -> torch.Tensor:
+    """``dL/dA`` for ``dL/dE`` through :func:`step_matrices` (the adjoint of the matrix exponential), float64 inside,
+    returned in ``A``'s dtype and shape."""
+    _threads()
+    flat_A = A.detach().reshape(-1, *A.shape[-2:]).to(torch.float64).contiguous()
+    flat_grad = grad_E.reshape(flat_A.shape).to(torch.float64).contiguous()
+    out = torch.empty_like(flat_A)
+    _step_matrices_vjp_kernel(flat_A.numpy(), float(h), flat_grad.numpy(), out.numpy())
+    return out.to(A.dtype).view(A.shape)
+
+
+def _geometry(tess: Any, dtype: torch.dtype) -> np.ndarray:
+    """``[lower (n), extent (n), counts (n), 0, 1(, 2)]`` in ``dtype``, rounded as ``Tessellation.locate`` rounds
+    them (``extent = upper - lower`` computed in ``dtype``); the constants keep the kernels' arithmetic in ``dtype``."""
+    lower = torch.tensor(tess.lower, dtype=dtype)
+    extent = torch.tensor(tess.upper, dtype=dtype) - lower
+    counts = torch.tensor(tuple(map(float, tess.shape)), dtype=dtype)
+    constants = torch.tensor([0.0, 1.0, 2.0][: len(tess.shape)], dtype=dtype)
+    return torch.cat([lower, extent, counts, constants]).numpy()
+
+
+def _source(points: torch.Tensor) -> torch.Tensor:
+    """``points (B, N, n)`` as a contiguous ``(1, N, n)`` when the batch shares them (stride 0), else ``(B, N, n)``."""
+    return (points[:1] if points.shape[0] > 1 and points.stride(0) == 0 else points).detach().contiguous()
+
+
+def integrate_forward(points: torch.Tensor, E: torch.Tensor, tess: Any, steps: int) -> torch.Tensor:
+    """End points ``(B, N, n)`` of ``steps`` scheme steps from ``points (B, N, n)`` (the batch may be a stride-0
+    broadcast) with step matrices ``E (B, C, n, n + 1)`` of the same dtype; domain coordinates."""
+    _threads()
+    B, N, n = points.shape
+    out = torch.empty((B, N, n), dtype=points.dtype)
+    source, table, geom = _source(points).numpy(), E.detach().contiguous().numpy(), _geometry(tess, points.dtype)
+    if n == 2:
+        _forward2(source, table, geom, tess.shape[0], steps, out.numpy())
+    else:
+        _forward3(source, table, geom, tess.shape[0], tess.shape[1], steps, out.numpy())
+    return out
+
+
+def integrate_backward(
+    points: torch.Tensor, E: torch.Tensor, tess: Any, steps: int, grad_out: torch.Tensor, moments: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The factorized adjoint for ``grad_out = dL/dx_T (B, N, n)``: ``dL/dpoints (B, N, n)`` and, when ``moments``,
+    ``dL/dE (B, C, n, n + 1)`` (the per-cell moments ``sum lambda_{s+1} [x_s; 1]^T``, summed in float64)."""
+    threads = _threads()
+    B, N, n = grad_out.shape
+    grad_points = torch.empty((B, N, n), dtype=grad_out.dtype)
+    tasks = max(1, min(threads, B * N // 4096)) if moments else max(1, min(4 * threads, B * N // 4096))
+    table = np.zeros((tasks, *E.shape) if moments else (tasks, 0, 0, 0, 0))
+    ny = tess.shape[1] if n == 3 else 1
+    _backward(
+        _source(points).numpy(), E.detach().contiguous().numpy(), _geometry(tess, E.dtype), tess.shape[0], ny, steps,
+        grad_out.detach().contiguous().numpy(), grad_points.numpy(), table, moments,
+    )  # fmt: skip
+    if not moments:
+        return grad_points, None
+    return grad_points, torch.from_numpy(table.sum(axis=0)).to(E.dtype)
+
+
+class CPABIntegrateNumba(torch.autograd.Function):
+    """``CPABIntegrateNumba.apply(points (B, N, n), A (B, C, n, n + 1), tess, t, steps) -> (B, N, n)``: the expm-step
+    scheme and its exact factorized adjoint on CPU tensors (module docstring), with the signature of
+    ``regkit.cpab.integrate.CPABIntegrate`` less ``checkpoint_every`` (nothing is checkpointed)."""
+
+    @staticmethod
+    def forward(ctx: Any, points: torch.Tensor, A: torch.Tensor, tess: Any, t: float, steps: int) -> torch.Tensor:
+        E = step_matrices(A, t / steps)
+        ctx.save_for_backward(points, A, E)
+        ctx.tess, ctx.t, ctx.steps = tess, t, steps
+        return integrate_forward(points, E, tess, steps)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        need_points, need_A = ctx.needs_input_grad[:2]
+        if not (need_points or need_A):
+            return None, None, None, None, None
+        points, A, E = ctx.saved_tensors
+        grad_points, grad_E = integrate_backward(points, E, ctx.tess, ctx.steps, grad_out, need_A)
+        grad_A = None if grad_E is None else step_matrices_vjp(A, ctx.t / ctx.steps, grad_E)
+        return (grad_points if need_points else None), grad_A, None, None, None
+
+
+def cpab_integrate(
+    points: torch.Tensor, A: torch.Tensor, tess: Any, *, t: float = 1.0, steps: int = 50
+) -> torch.Tensor:
+    """Integrate ``points (B, N, n)`` through ``A (B, C, n, n + 1)`` (CPU tensors, float32 or float64) for time ``t``
+    in ``steps`` steps; differentiable in both (the factorized adjoint)."""
+    if points.device.type != "cpu" or A.device.type != "cpu":
+        raise ValueError("the numba CPAB kernels need CPU tensors")
+    if points.dtype not in (torch.float32, torch.float64) or A.dtype != points.dtype:
+        raise ValueError(f"points and A must share a float32/float64 dtype, got {points.dtype} and {A.dtype}")
+    return CPABIntegrateNumba.apply(points, A, tess, float(t), int(steps))
