@@ -22,6 +22,14 @@ def test_bench_wtconv_quick_prints_and_writes_tables(tmp_path: Path) -> None:
     assert "2D fused fp32 fwd+bwd: " in markdown and "geometric mean" in markdown
 
 
+def test_bench_wtconv_ndim_keeps_only_those_shapes(tmp_path: Path) -> None:
+    out = tmp_path / "bench.md"
+    result = CliRunner().invoke(app, ["bench", "wtconv", "--quick", "--ndim", "3", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    markdown = out.read_text()
+    assert "**(1, 1, 4, 4, 3) L1 k3" in markdown and "**(1, 2, 8, 6)" not in markdown
+
+
 def test_fused_io_model_counts_every_launch() -> None:
     """One 2D level (no coarse levels): the output kernel reads x and writes out; the backward reads dy and x and
     writes dx. Two levels add the low-pass pyramid and the level-2 sub-bands (float32)."""

@@ -368,6 +368,12 @@ def wtconv(
     first_use: Annotated[
         bool, typer.Option("--first-use/--no-first-use", help="Measure first-use (compile) time per configuration.")
     ] = True,
+    ndim: Annotated[
+        int | None,
+        typer.Option(
+            "--ndim", min=2, max=3, help="Only the 2D (WTConvNeXt stages) or only the 3D shapes (default both)."
+        ),
+    ] = None,
 ) -> None:
     """Time forward and forward + backward, peak memory, I/O bytes and bandwidth of the fused WTConv kernels beside
     the reference layer (cuDNN autotuning off and on) and a plain depthwise convolution, WTConvNeXt-T stages and 3D."""
@@ -379,7 +385,7 @@ def wtconv(
     device = "cpu" if quick else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise typer.BadParameter("CUDA is not available here (use --quick for a CPU smoke test)", param_hint="--quick")
-    cases = _QUICK if quick else _FULL
+    cases = tuple(c for c in (_QUICK if quick else _FULL) if ndim is None or c.ndim == ndim)
     console = Console()
     fused_ok = device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     if device == "cuda":
