@@ -6,9 +6,10 @@
 exponential is the top-right block of ``expm([[X^T, G'], [0, X^T]])`` (``G'`` = ``G`` with a zero row), times ``h``.
 Both replace PyTorch's general ``matrix_exp`` (several launches, host synchronisations and, for the adjoint, doubled
 matrices through autograd) by one launch each: scaling by a power of two until the infinity norm is at most 1, a
-Taylor polynomial (Horner), then squaring, all in float64 whatever the input's dtype. The degree follows the output
-dtype: 18 for float64 (truncation below 1e-17), 12 for float32 (below 1e-9, far under float32's rounding), so float32
-results are correctly rounded up to a few ulps, more accurate than ``matrix_exp`` in float32.
+Taylor polynomial (Horner), then squaring, all in float64 whatever the input's dtype. The truncation bound follows
+the output dtype: that of degree 18 at norm 1 for float64 (below 1e-17), of degree 12 for float32 (below 1e-9, far
+under float32's rounding), so float32 results are correctly rounded up to a few ulps, more accurate than
+``matrix_exp`` in float32; each program takes the lowest degree that meets the bound for its matrices (``_degree``).
 
 Each thread holds its matrices as tuples of ``[BLOCK]`` scalars (row-major ``Q x Q``, ``Q = n + 1``) and multiplies
 them with unrolled scalar arithmetic: no cross-thread reductions. The step matrices keep ``[A; 0]``'s structure (the
@@ -120,6 +121,24 @@ def _scaling(norm):
     return tl.where(s == s, tl.minimum(tl.maximum(s, 0.0), 64.0), 0.0)
 
 
+@triton.jit
+def _degree(norm, DEG: tl.constexpr):
+    """The Taylor degree a program needs for matrices of infinity norm ``norm <= 1`` (after scaling): the largest over
+    its matrices of the smallest ``d`` with ``norm^(d + 1) / (d + 1)! <= 1 / (DEG + 1)!``, the truncation bound of
+    degree ``DEG`` at norm 1 (the terms ``norm^j / j!`` fall with ``j``). Small velocities (the usual case: ``h`` is a
+    fraction of the time) need a few terms instead of ``DEG``. NaN or inf norms take ``DEG + 1``."""
+    bound = tl.full([], 1.0, tl.float64)
+    for j in tl.static_range(2, DEG + 2):
+        bound = bound / j
+    term = norm * 0.0 + 1.0
+    need = tl.zeros(norm.shape, tl.int32)
+    for j in tl.static_range(1, DEG + 2):
+        term = term * norm / j
+        need = tl.where(term > bound, j, need)
+    need = tl.where(norm < 2.0, need, DEG + 1)  # NaN or inf
+    return tl.max(need, axis=0)
+
+
 @triton.jit(do_not_specialize=["R"])
 def _step_matrices_kernel(
     a_ptr, e_ptr, h0, h1, h2, R, NDIM: tl.constexpr, DEG: tl.constexpr, BLOCK: tl.constexpr
@@ -133,10 +152,11 @@ def _step_matrices_kernel(
     m = ()  # type: tuple[Any, ...]
     for i in tl.static_range(NDIM * Q):
         m = m + (tl.load(a_ptr + row * (NDIM * Q) + i, mask=ok, other=0.0).to(tl.float64) * h,)  # noqa: RUF005
-    s = _scaling(_row_sums(m, NDIM, Q))
+    norm = _row_sums(m, NDIM, Q)
+    s = _scaling(norm)
     m = _scale(m, tl.exp2(-s), NDIM * Q)
     t = _plus_identity(_scale(m, 0.0, NDIM * Q), NDIM, Q)
-    for k in range(DEG, 0, -1):
+    for k in range(tl.minimum(_degree(norm * tl.exp2(-s), DEG), DEG), 0, -1):
         t = _plus_identity(_scale(_mm_top(m, t, NDIM), 1.0 / tl.cast(k, tl.float64), NDIM * Q), NDIM, Q)
     for i in range(tl.max(s, axis=0).to(tl.int32)):
         t = _select(i < s, _mm_top(t, t, NDIM), t, NDIM * Q)
@@ -154,10 +174,12 @@ def _step_matrices_vjp_kernel(
     a_ptr, g_ptr, out_ptr, h0, h1, h2, R, NDIM: tl.constexpr, DEG: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
     """``out[r] = h L[:NDIM, :NDIM + 1]``, ``L`` the top-right block of ``expm([[X^T, G'], [0, X^T]])`` with
-    ``X = h [a[r]; 0]`` and ``G' = [g[r]; 0]`` (``g`` in padded ``NDIM x 4`` rows; its last column is not read in 2D).
-    ``G'`` is scaled to a largest entry of 1 (``L`` is linear in it), so that its size does not set the number of
-    squarings. The block matrix stays block upper triangular through Horner's steps and the squarings,
-    ``[[A, B], [0, A]] [[C, D], [0, C]] = [[AC, AD + BC], [0, AC]]``. Computed in float64."""
+    ``X = h [a[r]; 0]`` and ``G' = [g[r]; 0]`` (``g`` in padded ``NDIM x 4`` rows; its last column is not read in
+    2D). ``L`` is linear in ``G'``: the squarings and the degree follow ``X`` alone (the top-right block's truncation
+    error after degree ``d`` is about ``|G'| |X|^d / d!``: one degree more than the exponential's, and one more for
+    the constant), and ``G'`` is scaled to a largest entry of 1. The block matrix stays block upper triangular
+    through Horner's steps and the squarings, ``[[A, B], [0, A]] [[C, D], [0, C]] = [[AC, AD + BC], [0, AC]]``.
+    Computed in float64."""
     Q: tl.constexpr = NDIM + 1
     h = _float64(h0, h1, h2)
     row = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
@@ -179,13 +201,14 @@ def _step_matrices_vjp_kernel(
     for i in tl.static_range(1, Q * Q):
         size = tl.maximum(size, tl.abs(g[i]))
     size = tl.where(size > 0, size, 1.0)
-    s = _scaling(_row_sums(y, Q, Q) + _row_sums(g, Q, Q) / size)
+    norm = _row_sums(y, Q, Q)
+    s = _scaling(norm)
     scale = tl.exp2(-s)
     y = _scale(y, scale, Q * Q)
     g = _scale(g, scale / size, Q * Q)
     t = _plus_identity(_scale(y, 0.0, Q * Q), Q, Q)
     u = _scale(y, 0.0, Q * Q)
-    for k in range(DEG, 0, -1):
+    for k in range(_degree(norm * scale, DEG) + 2, 0, -1):
         inverse = 1.0 / tl.cast(k, tl.float64)
         u = _scale(_add(_mm(y, u, Q), _mm(g, t, Q), Q * Q), inverse, Q * Q)
         t = _plus_identity(_scale(_mm(y, t, Q), inverse, Q * Q), Q, Q)

@@ -6,14 +6,14 @@ component ``i`` evaluated as ``((E_i0 x_0 + E_i1 x_1) [+ E_i2 x_2]) + e_i``. The
 floating-point contraction off, so every product and sum is rounded as in PyTorch and the visited cells are the same.
 
 Every program owns ``BLOCK`` points of one batch element (``program_id(1)``) and keeps them in registers through all
-steps. ``geom_ptr`` holds, in the working dtype, the box's ``lower`` (NDIM values), a per-axis scale (NDIM: the
-extent ``upper - lower``, or its inverse when every extent is a power of two and ``DIVIDE`` is off) and the per-axis
-box counts (NDIM), rounded exactly as ``locate`` rounds them. ``e_ptr`` is the step-matrix table
+steps. ``geom_ptr`` holds, in the working dtype, the box's ``lower`` (NDIM values), a per-axis scale (NDIM: the extent
+``upper - lower``, or its inverse when every extent is a power of two and ``DIVIDE`` is off), the per-axis box counts
+(NDIM) and the counts minus one (NDIM), rounded exactly as ``locate`` rounds them. ``e_ptr`` is the step-matrix table
 ``E (B, C, NDIM, 4)``, contiguous, each row padded to 4 values (zero last column in 2D), so that a row is one aligned
-vector load; the moment table has the same layout. Few, wide memory operations also keep Triton's compile time down
-(its coalescing pass grows much faster than linearly with the number of loads and atomics in the unrolled backward).
-Checkpoint ``s = 1 .. S - 1`` is the position after ``s K`` steps,
-``S = ceil(T / K)`` (the points themselves are checkpoint 0); the checkpoint table holds ``(S - 1, B, N, NDIM)``.
+vector load; the moment table has the same layout. Few, wide memory operations also keep Triton's compile time down (its
+coalescing pass grows much faster than linearly with the number of loads and atomics in the unrolled backward).
+Checkpoint ``s = 1 .. S - 1`` is the position after ``s K`` steps, ``S = ceil(T / K)`` (the points themselves are
+checkpoint 0); the checkpoint table holds ``(S - 1, B, N, NDIM)``.
 """
 
 import triton
@@ -22,29 +22,33 @@ import triton.language as tl
 
 @triton.jit
 def _geometry(geom_ptr, NDIM: tl.constexpr):
-    """The box's ``lower``, per-axis scale (``extent``, or ``1 / extent`` when not ``DIVIDE``) and box counts, loaded
-    once per program (values, not loads, inside the step loops)."""
+    """The box's ``lower``, per-axis scale (``extent``, or ``1 / extent`` when not ``DIVIDE``), box counts and box
+    counts minus one, loaded once per program (values, not loads or arithmetic, inside the step loops)."""
     lo0 = tl.load(geom_ptr)
     lo1 = tl.load(geom_ptr + 1)
     sc0 = tl.load(geom_ptr + NDIM)
     sc1 = tl.load(geom_ptr + NDIM + 1)
     n0 = tl.load(geom_ptr + 2 * NDIM)
     n1 = tl.load(geom_ptr + 2 * NDIM + 1)
+    t0 = tl.load(geom_ptr + 3 * NDIM)
+    t1 = tl.load(geom_ptr + 3 * NDIM + 1)
     if NDIM == 3:
         lo2 = tl.load(geom_ptr + 2)
         sc2 = tl.load(geom_ptr + NDIM + 2)
         n2 = tl.load(geom_ptr + 2 * NDIM + 2)
+        t2 = tl.load(geom_ptr + 3 * NDIM + 2)
     else:
-        lo2, sc2, n2 = lo0, sc0, n0
-    return (lo0, lo1, lo2), (sc0, sc1, sc2), (n0, n1, n2)
+        lo2, sc2, n2, t2 = lo0, sc0, n0, t0
+    return (lo0, lo1, lo2), (sc0, sc1, sc2), (n0, n1, n2), (t0, t1, t2)
 
 
 @triton.jit
-def _axis(x, lower, scale, count, DIVIDE: tl.constexpr):
+def _axis(x, lower, scale, count, top, DIVIDE: tl.constexpr):
     """Box index (int32) and in-box coordinate along one axis, exactly as ``Tessellation.locate``:
-    ``u = clamp((x - lower) / extent, 0, 1) * count`` (NaN -> 0). Without ``DIVIDE`` the extent is a power of two and
-    ``scale = 1 / extent``, so that the product is the quotient, bit for bit. ``u - box`` is exact and in [0, 1] (the
-    fraction of a float, or 1 on the upper face), so ``locate``'s clamp of it changes nothing and is left out."""
+    ``u = clamp((x - lower) / extent, 0, 1) * count`` (NaN -> 0: ``tl.maximum`` of a NaN and a number is the number,
+    ``maxnum``, as ``locate``'s NaN -> lower), ``top = count - 1``. Without ``DIVIDE`` the extent is a power of two
+    and ``scale = 1 / extent``, so that the product is the quotient, bit for bit. ``u - box`` is exact and in [0, 1]
+    (the fraction of a float, or 1 on the upper face), so ``locate``'s clamp of it changes nothing and is left out."""
     if DIVIDE:
         if x.dtype == tl.float32:
             u = tl.math.div_rn(x - lower, scale)
@@ -52,25 +56,24 @@ def _axis(x, lower, scale, count, DIVIDE: tl.constexpr):
             u = (x - lower) / scale
     else:
         u = (x - lower) * scale
-    u = tl.where(u != u, 0.0, u)  # NaN -> lower
     u = tl.minimum(tl.maximum(u, 0.0), 1.0) * count
-    box = tl.minimum(tl.floor(u), count - 1.0)  # x == upper belongs to the last box
+    box = tl.minimum(tl.floor(u), top)  # x == upper belongs to the last box
     return box.to(tl.int32), u - box
 
 
 @triton.jit
 def _locate(x0, x1, x2, geo, NX, NY, NDIM: tl.constexpr, DIVIDE: tl.constexpr):
     """Cell ids (int32) of the points; ``x2`` is ignored in 2D. Numbering as ``Tessellation.locate``."""
-    lower, scale, count = geo
-    bx, lx = _axis(x0, lower[0], scale[0], count[0], DIVIDE)
-    by, ly = _axis(x1, lower[1], scale[1], count[1], DIVIDE)
+    lower, scale, count, top = geo
+    bx, lx = _axis(x0, lower[0], scale[0], count[0], top[0], DIVIDE)
+    by, ly = _axis(x1, lower[1], scale[1], count[1], top[1], DIVIDE)
     if NDIM == 2:
         above_main = ly > lx
         above_anti = ly > 1.0 - lx
         cell = 2 * above_main.to(tl.int32) + (above_main != above_anti).to(tl.int32)
         return 4 * (bx + NX * by) + cell
     else:
-        bz, lz = _axis(x2, lower[2], scale[2], count[2], DIVIDE)
+        bz, lz = _axis(x2, lower[2], scale[2], count[2], top[2], DIVIDE)
         odd = ((bx + by + bz) % 2) == 1
         lx = tl.where(odd, 1.0 - lx, lx)
         cell = (
@@ -237,8 +240,10 @@ def _cpab_bwd_kernel(
     sub-segments are taken last first: the ``SEG`` positions and cells of a sub-segment are recomputed (bit-identical
     to the forward, so the same cells ``c_s``) into registers (tuples, unrolled: ``SEG`` is a compile-time constant),
     then swept backward. A point's moment is accumulated in registers while it stays in one cell and added to the
-    table (one vector of atomics per row) when its cell changes, and once at the end. ``PERMUTED`` as in the
-    forward kernel (``g`` and ``gx`` at the lanes' points, the checkpoints in lane order)."""
+    table (one vector of atomics per row) when its cell changes, and once at the end. The moments and the adjoint
+    take explicit fused multiply-adds (the launchers turn contraction off for the positions, which must round as
+    PyTorch's; the adjoint need not, and rounds once instead of twice). ``PERMUTED`` as in the forward kernel (``g``
+    and ``gx`` at the lanes' points, the checkpoints in lane order)."""
     b = tl.program_id(1).to(tl.int64)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < N
@@ -250,6 +255,8 @@ def _cpab_bwd_kernel(
     zero = tl.zeros([BLOCK], dtype=l0.dtype)
     a0, a1, a2, a3, a4, a5 = zero, zero, zero, zero, zero, zero
     a6, a7, a8, a9, a10, a11 = zero, zero, zero, zero, zero, zero
+    # The cell whose moment the registers hold (none yet: -1). Not cell 0 with zero moments, whose first flush would
+    # send every point's zeros to one address: on the H200 that serialised the 6.9M-point grid's backward (28 ms).
     current = tl.full([BLOCK], -1, tl.int32)
     S = tl.cdiv(T, K)
     for i in range(S):
@@ -285,34 +292,34 @@ def _cpab_bwd_kernel(
                         _flush(mom_batch, current, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM)
                         current = cell
                         if NDIM == 2:
-                            a0 = tl.where(changed, zero, a0) + l0 * x0
-                            a1 = tl.where(changed, zero, a1) + l0 * x1
+                            a0 = tl.fma(l0, x0, tl.where(changed, zero, a0))
+                            a1 = tl.fma(l0, x1, tl.where(changed, zero, a1))
                             a2 = tl.where(changed, zero, a2) + l0
-                            a3 = tl.where(changed, zero, a3) + l1 * x0
-                            a4 = tl.where(changed, zero, a4) + l1 * x1
+                            a3 = tl.fma(l1, x0, tl.where(changed, zero, a3))
+                            a4 = tl.fma(l1, x1, tl.where(changed, zero, a4))
                             a5 = tl.where(changed, zero, a5) + l1
                         else:
-                            a0 = tl.where(changed, zero, a0) + l0 * x0
-                            a1 = tl.where(changed, zero, a1) + l0 * x1
-                            a2 = tl.where(changed, zero, a2) + l0 * x2
+                            a0 = tl.fma(l0, x0, tl.where(changed, zero, a0))
+                            a1 = tl.fma(l0, x1, tl.where(changed, zero, a1))
+                            a2 = tl.fma(l0, x2, tl.where(changed, zero, a2))
                             a3 = tl.where(changed, zero, a3) + l0
-                            a4 = tl.where(changed, zero, a4) + l1 * x0
-                            a5 = tl.where(changed, zero, a5) + l1 * x1
-                            a6 = tl.where(changed, zero, a6) + l1 * x2
+                            a4 = tl.fma(l1, x0, tl.where(changed, zero, a4))
+                            a5 = tl.fma(l1, x1, tl.where(changed, zero, a5))
+                            a6 = tl.fma(l1, x2, tl.where(changed, zero, a6))
                             a7 = tl.where(changed, zero, a7) + l1
-                            a8 = tl.where(changed, zero, a8) + l2 * x0
-                            a9 = tl.where(changed, zero, a9) + l2 * x1
-                            a10 = tl.where(changed, zero, a10) + l2 * x2
+                            a8 = tl.fma(l2, x0, tl.where(changed, zero, a8))
+                            a9 = tl.fma(l2, x1, tl.where(changed, zero, a9))
+                            a10 = tl.fma(l2, x2, tl.where(changed, zero, a10))
                             a11 = tl.where(changed, zero, a11) + l2
                     p0, p1, p2, _p3 = _load_row(e)
                     q0, q1, q2, _q3 = _load_row(e + 4)
                     if NDIM == 2:
-                        l0, l1 = p0 * l0 + q0 * l1, p1 * l0 + q1 * l1
+                        l0, l1 = tl.fma(q0, l1, p0 * l0), tl.fma(q1, l1, p1 * l0)
                     else:
                         r0, r1, r2, _r3 = _load_row(e + 8)
-                        n0 = (p0 * l0 + q0 * l1) + r0 * l2
-                        n1 = (p1 * l0 + q1 * l1) + r1 * l2
-                        l2 = (p2 * l0 + q2 * l1) + r2 * l2
+                        n0 = tl.fma(r0, l2, tl.fma(q0, l1, p0 * l0))
+                        n1 = tl.fma(r1, l2, tl.fma(q1, l1, p1 * l0))
+                        l2 = tl.fma(r2, l2, tl.fma(q2, l1, p2 * l0))
                         l0, l1 = n0, n1
     if MOMENTS:
         _flush(mom_batch, current, current >= 0, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM)

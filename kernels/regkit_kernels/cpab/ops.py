@@ -24,6 +24,11 @@ from regkit_kernels.cpab.kernels import _cell_kernel, _cpab_bwd_kernel, _cpab_fw
 
 _BLOCK = 128  # points per program on the GPU (one per thread with 4 warps)
 _NUM_WARPS = 4
+# Register cap of the float32 backward kernel: 96 keeps the 5 programs of 128 threads per SM that the 3D kernel with
+# register checkpoints had before its sweep took fused multiply-adds (sm_90, Triton 3.6: 95 registers, 1,760
+# instructions then); uncapped it takes 108 (4 programs per SM) for 1,552 instructions, capped 1,608 and an 8-byte
+# spill. The other variants stay under the cap. Chosen from these counts; not yet timed against the uncapped kernel.
+_MAXNREG: int | None = 96
 _INTERPRETER_BLOCK = 1 << 12  # under TRITON_INTERPRET=1 every program costs Python overhead: few, large ones
 _DTYPES = (torch.float32, torch.float64)
 _SEGMENT = 5  # steps per unrolled sub-segment of the backward kernel (compile time grows about as its cube)
@@ -46,11 +51,11 @@ def _pow2(n: int) -> int:
 
 
 def _geometry(tess: Box, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, bool]:
-    """The kernels' geometry table and whether they must divide (``kernels._axis``): ``[lower, scale, shape]`` in
-    ``dtype`` on ``device``, ``lower`` and ``extent = upper - lower`` rounded exactly as ``Tessellation.locate`` rounds
-    them, ``scale = 1 / extent`` when every extent is a power of two (then ``x * scale`` is ``x / extent`` bit for bit),
-    else ``extent``. Cached per box, dtype and device: a table made from host values is a host-to-device copy, which
-    would stall the host until the GPU has caught up."""
+    """The kernels' geometry table and whether they must divide (``kernels._axis``): ``lower``, ``scale``, ``shape``
+    and ``shape - 1`` in ``dtype`` on ``device``, ``lower`` and ``extent = upper - lower`` rounded exactly as
+    ``Tessellation.locate`` rounds them, ``scale = 1 / extent`` when every extent is a power of two (then
+    ``x * scale`` is ``x / extent`` bit for bit), else ``extent``. Cached per box, dtype and device: a table made from
+    host values is a host-to-device copy, which would stall the host until the GPU has caught up."""
     key = (tuple(tess.shape), tuple(map(float, tess.lower)), tuple(map(float, tess.upper)), dtype, device)
     if key not in _GEOMETRY:
         lower = torch.tensor(tess.lower, dtype=dtype)
@@ -61,7 +66,8 @@ def _geometry(tess: Box, dtype: torch.dtype, device: torch.device) -> tuple[Tens
             ((mantissa == 0.5) & (extent * inverse == 1) & (inverse.abs() >= torch.finfo(dtype).tiny)).all()
         )
         scale = extent if divide else inverse
-        table = torch.cat([lower, scale, torch.tensor(tess.shape, dtype=dtype)]).to(device)
+        shape = torch.tensor(tess.shape, dtype=dtype)
+        table = torch.cat([lower, scale, shape, shape - 1]).to(device)
         _GEOMETRY[key] = (table, divide)
     return _GEOMETRY[key]
 
@@ -192,6 +198,7 @@ def cpab_bwd(
         B, N, E.shape[1], nx, ny, steps, checkpoint_every,
         NDIM=n, SEG=segment, SLOTS=-(-checkpoint_every // segment), MOMENTS=moments, POINTS=point_grad,
         DIVIDE=divide, PERMUTED=order is not None, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
+        maxnreg=_MAXNREG if E.dtype == torch.float32 else None,
     )  # fmt: skip
     return grad_points, grad_E
 
