@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 # Standardisation floors: the variance gets `_EPS_REL * mean square` added, so that a constant image standardises to
 # (nearly) zero instead of amplified rounding noise; `_TINY` keeps square roots and divisions finite for all-zero input.
 _EPS_REL = 1e-9
+_LNCC_FACES = ("torch", "numba")  # the squared local NCC map: PyTorch, or fused numba kernels on the CPU
 _TINY = 1e-12
 # The MI intensity percentiles are estimated from at most this many voxels per image (a regular subsample).
 _QUANTILE_SAMPLES = 1 << 16
@@ -252,7 +253,8 @@ class _LocalCC2(torch.autograd.Function):
 
     With ``a = 2 cov / (Vf Vg W) * grad`` and ``b_g = 2 cov^2 / (Vf Vg^2 W) * grad`` per window centre
     (``V = var + eps``, ``W`` the window's weight sum), the adjoint of the window sums gives
-    ``d/dg = w (f box(a) - box(a mf) - g box(b_g) + box(b_g mg))``, and symmetrically for ``f``.
+    ``d/dg = w (f box(a) - box(a mf) - g box(b_g) + box(b_g mg))``, and symmetrically for ``f``. On the CPU the same
+    formulas run fused in numba (``regkit_kernels.lncc_numba``; the window statistics are kept for the backward pass).
     """
 
     @staticmethod
@@ -266,12 +268,21 @@ class _LocalCC2(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.save_for_backward(f, g, weights)
         ctx.window, ctx.eps = window, eps
+        ctx.numba = _backend.resolve_backend("auto", f.device, "lncc", faces=_LNCC_FACES) == "numba"
+        if ctx.numba:
+            cc2, ctx.stats = _backend.load_kernels("lncc_numba").local_cc2(f, g, weights, window, eps)
+            return cc2
         return _local_cc2(f, g, weights, window, eps)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         f, g, weights = ctx.saved_tensors
         window, eps = ctx.window, ctx.eps
+        if ctx.numba:
+            grad_f, grad_g = _backend.load_kernels("lncc_numba").local_cc2_backward(
+                f, g, weights, ctx.stats, grad, window, eps, ctx.needs_input_grad[0]
+            )
+            return grad_f, (grad_g if ctx.needs_input_grad[1] else None), None, None, None
         count, mf, mg, var_f, var_g, cov = _window_stats(f, g, weights, window)
         vf, vg = var_f.clamp_min(0.0) + eps, var_g.clamp_min(0.0) + eps
         a = 2.0 * cov * grad / (vf * vg * count)
