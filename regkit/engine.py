@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch.nn.utils import parametrize
 
-from regkit._steps import GraphedSteps, eager_step
+from regkit._steps import Adam, GraphedSteps, Optimizer, eager_step
 from regkit.config import AffineStage, CpabStage, MomentsStage, RegistrationConfig, RigidStage
 from regkit.cpab.module import CPAB
 from regkit.cpab.prior import CPABPrior, VertexPrior
@@ -278,9 +278,7 @@ def _optimize(
     scale = 1.0  # the loss the optimizer sees is scale * loss (reports give the loss itself)
     graphed = opt_cfg.name == "adam" and ctx.device.type == "cuda" and ctx.config.cuda_graphs
     if opt_cfg.name == "adam":
-        optimizer: torch.optim.Optimizer = torch.optim.Adam(
-            parameters, lr=opt_cfg.learning_rate * adam_scale, capturable=graphed
-        )
+        optimizer: Optimizer = Adam(parameters, lr=opt_cfg.learning_rate * adam_scale)
     else:
         # L-BFGS is invariant to the loss's scale except for its first step, lr * g / max(1, |g|_1): image
         # similarities have tiny gradients in millimetre units, so that step would be far below the gradient's noise
@@ -301,7 +299,7 @@ def _optimize(
             line_search_fn="strong_wolfe",
         )
     start = time.perf_counter()
-    graph = GraphedSteps(optimizer, objective) if graphed else None
+    graph = GraphedSteps(optimizer, objective) if graphed and isinstance(optimizer, Adam) else None
     previous, calm, iteration, loss, similarity = None, 0, 0, math.nan, math.nan
     for iteration in range(1, max_iter + 1):
         ctx.check_stop()
