@@ -347,7 +347,8 @@ class CpabStage(_OptimizedStage):
     tessellation: Seq[IntOrInts] = Field(
         default=(4, 8, 12),
         description="Cells per axis at each pyramid level, coarse to fine: an int (same on every axis) or a list in "
-        "(x, y[, z]) order; one entry per pyramid level, never decreasing.",
+        "(x, y[, z]) order; one entry per pyramid level, never decreasing. The engine uses at most one cell per 4 "
+        "voxels of the fixed image along each axis.",
     )
     boundary: Literal["zero", "normal", "free"] = Field(
         default="zero",
