@@ -4,8 +4,8 @@ as the ``"numba"`` backend of the ``lncc`` op.
 
 Images ``f``, ``g`` are ``(B, C, *spatial)`` with spatial layout ``[z, y, x]`` or ``[y, x]``, voxel weights ``w``
 ``(B | 1, 1, *spatial)``; window sizes are odd, in index order (x, y[, z]). The forward pass forms the six weighted
-moments (``w, w f, w g, w f^2, w g^2, w f g``) in one pass, box-sums all of them in one call of the separable filter
-(``filters_numba.separable``: zero outside the image) and turns them into the window statistics and
+moments (``w, w f, w g, w f^2, w g^2, w f g``) in one pass, box-sums all of them in one call
+(``filters_numba.box_sums``: zero outside the image) and turns them into the window statistics and
 ``cc^2 = cov^2 / ((var_f + eps) (var_g + eps))`` in a second pass; the statistics are kept for the backward pass, which
 forms its four (or seven, with the gradient for ``f``) adjoint maps in one pass, box-sums them in one call and
 combines them in a last pass. The formulas are those of ``regkit.similarity._LocalCC2`` (its docstring derives the
@@ -21,7 +21,7 @@ import numba
 import numpy as np
 import torch
 
-from regkit_kernels.filters_numba import separable
+from regkit_kernels.filters_numba import box_sums
 
 _TINY = 1e-12  # floor of a window's weight sum (regkit.similarity._TINY)
 
@@ -107,12 +107,11 @@ def _planes(x: torch.Tensor) -> np.ndarray:
     return x.detach().contiguous().reshape(x.shape[0] * x.shape[1], -1).numpy()
 
 
-def _box(maps: np.ndarray, spatial: tuple[int, ...], window: Sequence[int], dtype: torch.dtype) -> np.ndarray:
+def _box(maps: np.ndarray, spatial: tuple[int, ...], window: Sequence[int]) -> np.ndarray:
     """Box sums of ``maps (P, K, V)`` over ``window`` (zero outside the image), same shape."""
     P, K, _ = maps.shape
     volume = torch.from_numpy(maps).view(P * K, 1, *spatial)
-    ones = [None if k == 1 else torch.ones(k, dtype=dtype) for k in window]
-    return separable(volume, ones, edge=False).reshape(P, K, -1).numpy()
+    return box_sums(volume, window).reshape(P, K, -1).numpy()
 
 
 def local_cc2(
@@ -127,7 +126,7 @@ def local_cc2(
     spatial = tuple(f.shape[2:])
     moments = np.empty((P, 6, V), dtype=f_np.dtype)
     _moments(f_np, g_np, w_np, moments)
-    stats = _box(moments, spatial, window, f.dtype)
+    stats = _box(moments, spatial, window)
     cc2 = np.empty((P, V), dtype=f_np.dtype)
     _statistics(stats, float(eps), cc2)
     return torch.from_numpy(cc2).view(f.shape), stats
@@ -150,7 +149,7 @@ def local_cc2_backward(
     P, V = f_np.shape
     maps = np.empty((P, 7 if need_f else 4, V), dtype=f_np.dtype)
     _adjoint_maps(stats, _planes(grad), float(eps), need_f, maps)
-    boxed = _box(maps, tuple(f.shape[2:]), window, f.dtype)
+    boxed = _box(maps, tuple(f.shape[2:]), window)
     grad_g = np.empty((P, V), dtype=f_np.dtype)
     grad_f = np.empty((P, V) if need_f else (0, 0), dtype=f_np.dtype)
     _combine(f_np, g_np, w_np, boxed, need_f, grad_f, grad_g)

@@ -48,9 +48,9 @@ def box_sum(image: torch.Tensor, window: int | Sequence[int], backend: str = "au
 
     ``window`` is odd, in voxels, in index order. ``backend``: ``"torch"`` computes each axis as a difference of
     cumulative sums (the cost does not depend on the window size); ``"numba"`` (CPU tensors,
-    ``regkit_kernels.filters_numba``) adds the window's voxels directly, several times faster on the CPU for small
-    windows; ``"auto"`` takes numba on the CPU where it imports. The filter is self-adjoint, and its backward pass is
-    the same box sum.
+    ``regkit_kernels.filters_numba``) adds the window's voxels directly along x and keeps running sums of rows
+    along y and z, several times faster on the CPU; ``"auto"`` takes numba on the CPU where it imports. The filter is
+    self-adjoint, and its backward pass is the same box sum.
     """
     ndim = _check_image(image)
     sizes = tuple(int(k) for k in per_axis(window, ndim, "window"))
@@ -61,8 +61,7 @@ def box_sum(image: torch.Tensor, window: int | Sequence[int], backend: str = "au
 
 def _box_sum(image: torch.Tensor, sizes: tuple[int, ...], backend: str) -> torch.Tensor:
     if backend == "numba":
-        ones = [None if k == 1 else torch.ones(k, dtype=image.dtype) for k in sizes]
-        return load_kernels("filters_numba").separable(image, ones, edge=False)
+        return load_kernels("filters_numba").box_sums(image, sizes)
     out = image
     for index_axis, k in enumerate(sizes):
         if k == 1:
