@@ -16,17 +16,8 @@ from regkit.cpab.basis import BOUNDARY_MODES, cpa_basis
 from regkit.cpab.integrate import integrate, integrate_reference, integrate_trajectory, step_matrices
 from regkit.cpab.tessellation import Tessellation
 from regkit_kernels.cpab import cpab_fwd
+from tests.kernels.cpab_cases import awkward_points, case
 
-# (shape, lower, upper): unit boxes, odd anisotropic boxes (the kernels divide by the extents) and shifted boxes with
-# power-of-two extents (the kernels multiply by their inverses).
-_TESSELLATIONS = {
-    2: [((2, 2), None, None), ((3, 2), (-1.0, 0.5), (2.0, 1.25)), ((3, 2), (-1.0, 0.25), (1.0, 0.5))],
-    3: [
-        ((2, 2, 2), None, None),
-        ((1, 2, 3), (-2.0, 0.0, 1.0), (1.0, 0.75, 4.0)),
-        ((2, 2, 3), (-2.0, 0.125, 0.5), (2.0, 0.375, 1.5)),
-    ],
-}
 # Largest |triton - torch| of a gradient, relative to the largest |torch|. float32: the fused adjoint of the matrix
 # exponential (float64 inside) and matrix_exp's float32 autograd differ by up to ~5e-6 per matrix at the large
 # velocities of these tests (torch's error; the fused one is ~1e-6), summed over cells by the basis projection.
@@ -35,30 +26,6 @@ _TOL = {torch.float32: 1e-4, torch.float64: 1e-12}
 
 def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _points(tess: Tessellation, n_random: int, batch: int, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """(batch, N, n) domain points: every mesh vertex and facet midpoint (points on shared facets), cell centres, and
-    random points in a box 20% larger than the domain on each side (so some start outside)."""
-    verts = tess.vertices()
-    ids = tess.cell_vertex_ids()
-    pairs = torch.combinations(torch.arange(tess.ndim + 1), 2)
-    midpoints = verts[ids[:, pairs]].mean(dim=2).reshape(-1, tess.ndim)
-    special = torch.cat([verts, midpoints, tess.centers()])
-    lower = torch.tensor(tess.lower, dtype=torch.float64)
-    upper = torch.tensor(tess.upper, dtype=torch.float64)
-    random = lower + (upper - lower) * (1.4 * torch.rand(batch, n_random, tess.ndim, dtype=torch.float64) - 0.2)
-    return torch.cat([special.expand(batch, -1, -1), random], dim=1).to(dtype=dtype, device=device)
-
-
-def _case(ndim: int, which: int, boundary: str, dtype: torch.dtype, n_random: int = 200, batch: int = 2):
-    torch.manual_seed(100 * ndim + 10 * which + BOUNDARY_MODES.index(boundary))
-    shape, lower, upper = _TESSELLATIONS[ndim][which]
-    tess = Tessellation(shape, lower, upper)
-    basis = cpa_basis(tess, boundary)
-    scale = max(u - lo for lo, u in zip(tess.lower, tess.upper, strict=True))
-    theta = (2.0 * scale * torch.randn(batch, basis.d, dtype=torch.float64)).to(dtype=dtype, device=_device())
-    return basis, theta, _points(tess, n_random, batch, dtype, _device())
 
 
 @pytest.fixture
@@ -93,7 +60,7 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, name: str, tol: float |
 @pytest.mark.parametrize("ndim,which", [(2, 0), (2, 1), (2, 2), (3, 0), (3, 1), (3, 2)])
 def test_forward_equals_reference(ndim, which, dtype):
     """End points and every checkpoint are bit-equal to the reference scheme, so every step used the same cell."""
-    basis, theta, points = _case(ndim, which, "free", dtype)
+    basis, theta, points = case(ndim, which, "free", dtype, _device())
     tess = basis.tess
     steps, every = 10, 3
     E = step_matrices(basis.to_A(theta), 1.0 / steps)
@@ -111,7 +78,7 @@ def test_forward_equals_reference(ndim, which, dtype):
 @pytest.mark.usefixtures("same_step_matrices")
 def test_gradients_equal_factorized_torch(ndim, boundary, dtype):
     """Values, dL/dpoints and dL/dtheta of integrate(backend="triton") equal those of backend="torch"."""
-    basis, theta, points = _case(ndim, 1 if boundary == "normal" else 0, boundary, dtype)
+    basis, theta, points = case(ndim, 1 if boundary == "normal" else 0, boundary, dtype, _device())
     grad = torch.randn(points.shape, dtype=dtype, device=points.device)
     want = _gradients(points, theta, basis, grad, "torch", 10, 4)
     got = _gradients(points, theta, basis, grad, "triton", 10, 4)
@@ -129,7 +96,7 @@ def test_shared_points_and_partial_gradients(ndim, sort, monkeypatch):
     import regkit_kernels.cpab.ops as ops
 
     monkeypatch.setattr(ops, "_SORT_MIN", 0 if sort else 1 << 30)
-    basis, theta, points = _case(ndim, 1, "free", torch.float64, n_random=100, batch=3)
+    basis, theta, points = case(ndim, 1, "free", torch.float64, _device(), n_random=100, batch=3)
     order = ops.point_order(points[0].expand(3, -1, -1), basis.tess)
     assert (order is not None) == sort
     if sort:
@@ -158,7 +125,7 @@ def test_shared_points_and_partial_gradients(ndim, sort, monkeypatch):
 def test_long_checkpoint_spacing(ndim, which, every):
     """Stored segments longer than the backward kernel's unrolled sub-segments (10 steps: checkpoints every 8 steps,
     one stored segment of 10, none stored): the register checkpoints give the same gradients."""
-    basis, theta, points = _case(ndim, which, "zero", torch.float64, n_random=100)
+    basis, theta, points = case(ndim, which, "zero", torch.float64, _device(), n_random=100)
     grad = torch.randn(points.shape, dtype=torch.float64)
     want = _gradients(points, theta, basis, grad, "torch", 10, 4)
     got = _gradients(points, theta, basis, grad, "triton", 10, every)
@@ -189,7 +156,7 @@ def test_realistic_sizes_gpu(ndim, shape, batch, every, shared):
     tess = Tessellation(shape, (-1.0,) * ndim, (2.0,) * ndim)
     basis = cpa_basis(tess, "zero")
     theta = 3.0 * torch.randn(batch, basis.d, device="cuda")
-    points = _points(tess, 50_000, batch, torch.float32, "cuda")
+    points = awkward_points(tess, 50_000, batch, torch.float32, "cuda")
     points = points[0] if shared else points
     grad = torch.randn(batch, *points.shape[-2:], device="cuda")
     want = _gradients(points, theta, basis, grad, "torch", 50, 5)
@@ -219,7 +186,7 @@ def test_several_programs_per_batch_element(ndim, monkeypatch):
     import regkit_kernels.cpab.ops as ops
 
     monkeypatch.setattr(ops, "_INTERPRETER_BLOCK", 64)
-    basis, theta, points = _case(ndim, 0, "normal", torch.float64, n_random=150)
+    basis, theta, points = case(ndim, 0, "normal", torch.float64, _device(), n_random=150)
     grad = torch.randn(points.shape, dtype=torch.float64)
     want = _gradients(points, theta, basis, grad, "torch", 6, 4)
     got = _gradients(points, theta, basis, grad, "triton", 6, 4)
@@ -259,7 +226,7 @@ def test_step_matrices_equal_matrix_exp(ndim, dtype):
 def test_fused_path_with_own_steps(ndim):
     """The fused path as used (its own step matrices) on points off the facets: end points and gradients agree with
     the PyTorch path to float32 rounding (an ulp of ``E`` moves a point by about an ulp; no cell changes)."""
-    basis, theta, _ = _case(ndim, 0, "zero", torch.float32)
+    basis, theta, _ = case(ndim, 0, "zero", torch.float32, _device())
     torch.manual_seed(7)
     points = (0.05 + 0.9 * torch.rand(2, 300, ndim)).to(_device())
     grad = torch.randn(points.shape, device=points.device)
