@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from regkit._backend import device_constant
+from regkit._backend import device_constant, load_kernels, resolve_backend
 from regkit.errors import ImageDimensionError
 from regkit.spatial.grid import Grid
 
 SAMPLING_MODES = ("linear", "nearest")
+_LINEAR_FACES = ("torch", "numba")  # linear sampling: grid_sample, or numba on the CPU for images needing no gradient
 
 
 def sample_image(
@@ -33,7 +34,9 @@ def sample_image(
     ``padding`` further out. Axes of size 1 behave alike (the voxel's value at index 0, ``padding`` from +-1 on).
 
     Differentiable with respect to ``world_points`` and ``image`` (``torch.nn.functional.grid_sample`` with
-    ``align_corners=True``, index ``i`` on an axis of size ``s`` mapping to ``2 i / (s - 1) - 1``). Integer images
+    ``align_corners=True``, index ``i`` on an axis of size ``s`` mapping to ``2 i / (s - 1) - 1``). On the CPU, linear
+    sampling of an image that needs no gradient runs in numba (``regkit_kernels.sampling_numba``: the same values up
+    to rounding, differentiable with respect to the points). Integer images
     (label maps) are sampled in float32 and, with ``mode="nearest"``, returned in their own dtype.
     """
     n = grid.ndim
@@ -56,11 +59,15 @@ def sample_image(
     if any(thin):
         values = F.pad(values.unsqueeze(0), pads).squeeze(0)
         index = index + device_constant(tuple(float(v) for v in thin), index.dtype, index.device)
+    batch_shape = world_points.shape[:-1]
+    face = resolve_backend("auto", values.device, "sampling", faces=_LINEAR_FACES)
+    if mode == "linear" and face == "numba" and not (values.requires_grad and torch.is_grad_enabled()):
+        out = load_kernels("sampling_numba").linear(values, index.reshape(-1, n)).reshape(-1, *batch_shape) + padding
+        return out.squeeze(0) if image.ndim == n else out
     sizes = device_constant(
         tuple(3.0 if v else float(s) for v, s in zip(thin, grid.size, strict=True)), index.dtype, index.device
     )
     normalised = 2 * index / (sizes - 1) - 1
-    batch_shape = world_points.shape[:-1]
     sample_grid = normalised.reshape(1, *([1] * (n - 1)), -1, n)
     sampled = F.grid_sample(
         values.unsqueeze(0),

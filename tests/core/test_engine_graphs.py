@@ -15,6 +15,7 @@ import regkit._backend
 import regkit.engine as engine
 import regkit.similarity
 import regkit.spatial.filters
+import regkit.spatial.sampling
 from regkit.config import RegistrationConfig
 from regkit.demo import load_template
 from regkit.io import Image, read_image
@@ -76,13 +77,14 @@ def _stages(similarity: str, dim: int) -> list[dict]:
 
 def _spied_iterations(monkeypatch, fixed: Image, moving: Image, config: RegistrationConfig) -> dict[str, Counter]:
     """Register, and for each stage evaluate one extra iteration under the spy after a first (warm) one, as if a
-    CUDA graph were being captured (checks that would wait for the GPU are then skipped). The filters, the
-    local NCC and the MI histogram take their PyTorch faces, as on CUDA (their numba faces are CPU-only)."""
+    CUDA graph were being captured (checks that would wait for the GPU are then skipped). The filters, the local NCC,
+    the MI histogram and linear sampling take their PyTorch faces, as on CUDA (their numba faces are CPU-only)."""
     found: dict[str, Counter] = {}
     monkeypatch.setattr(regkit._backend, "capturing", lambda tensor: True)
     monkeypatch.setattr(regkit.spatial.filters, "_BOX_FACES", ("torch",))
     monkeypatch.setattr(regkit.similarity, "_LNCC_FACES", ("torch",))
     monkeypatch.setattr(regkit.similarity, "_MI_FACES", ("torch",))
+    monkeypatch.setattr(regkit.spatial.sampling, "_LINEAR_FACES", ("torch",))
     optimize = engine._optimize
 
     def spied(ctx, stage_index, stage, level_index, n_levels, parameters, objective, *args, **kwargs):

@@ -100,3 +100,34 @@ def test_shape_errors() -> None:
         sample_image(torch.zeros(5, 4), grid, torch.zeros(3, 3))
     with pytest.raises(ValueError, match="sampling mode"):
         sample_image(torch.zeros(5, 4), grid, torch.zeros(3, 2), mode="cubic")
+
+
+@pytest.mark.parametrize("size", [(7, 6, 5), (9, 8), (6, 1, 5)])
+def test_linear_numba_face_equals_grid_sample(size, monkeypatch):
+    """The numba face (what ``auto`` takes on the CPU for images needing no gradient) against the grid_sample face:
+    values and point gradients, points inside, on borders and outside, channels, an axis of size 1; an image that
+    needs a gradient takes the grid_sample face and gets its gradient."""
+    import regkit.spatial.sampling as sampling
+
+    generator = torch.Generator().manual_seed(3)
+    grid = Grid.create(size, spacing=[1.5, 0.8, 1.2][: len(size)], origin=[3.0, -2.0, 1.0][: len(size)])
+    image = torch.randn(2, *grid.shape, generator=generator, dtype=torch.float64)
+    index = (
+        torch.rand(300, len(size), generator=generator, dtype=torch.float64)
+        * (torch.tensor(size, dtype=torch.float64) + 2)
+        - 1.5
+    )
+    index[:10] = torch.tensor([s - 1 for s in size], dtype=torch.float64)  # the last voxel centre
+    points = grid.index_to_world(index)
+    results = []
+    for faces in (("torch",), ("torch", "numba")):
+        monkeypatch.setattr(sampling, "_LINEAR_FACES", faces)
+        p = points.clone().requires_grad_(True)
+        out = sample_image(image, grid, p, padding=0.5)
+        (grad,) = torch.autograd.grad((out * out).sum(), p)
+        results.append((out.detach(), grad))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-8, atol=1e-8)
+    trainable = image.clone().requires_grad_(True)
+    (image_grad,) = torch.autograd.grad(sample_image(trainable, grid, points).sum(), trainable)
+    assert image_grad.abs().sum() > 0
