@@ -15,7 +15,9 @@ Backward (the factorized adjoint): each point's trajectory is recomputed from it
 per-cell moments ``M_c += lambda_{s+1} [x_s; 1]^T`` go into one float64 table per thread (summed at the end: the
 result does not depend on the thread schedule beyond that final sum's fixed order), and ``lambda_s = E_lin(c_s)^T
 lambda_{s+1}``. ``dL/dA`` is then ``M`` pulled back through the matrix exponential by its Frechet derivative at
-``(h Ã)^T`` (the adjoint of ``expm``), computed by the same scaling and squaring.
+``(h Ã)^T`` (the adjoint of ``expm``), computed by the same scaling and squaring. Points whose ``dL/dx_T`` is zero
+(a registration's background, where neither image varies) and cells whose moments are zero are skipped: their
+contributions are exactly zero.
 """
 
 from __future__ import annotations
@@ -65,6 +67,14 @@ def _squarings(X: np.ndarray) -> int:
     if norm <= _TAYLOR_NORM:
         return 0
     return math.ceil(math.log2(norm / _TAYLOR_NORM))
+
+
+@numba.njit(cache=True, inline="always")
+def _all_zero(values: np.ndarray) -> bool:
+    for v in values:
+        if v != 0:
+            return False
+    return True
 
 
 @numba.njit(cache=True)
@@ -157,6 +167,11 @@ def _step_matrices_vjp_kernel(A: np.ndarray, h: float, grad_E: np.ndarray, grad_
         Q = np.empty((m, m))
         work = np.empty((4, m, m))
         for c in range(chunk * _CELL_CHUNK, min(K, (chunk + 1) * _CELL_CHUNK)):
+            if _all_zero(grad_E[c].ravel()):  # the adjoint is linear in dL/dE: cells no point moved through
+                for i in range(n):
+                    for j in range(m):
+                        grad_A[c, i, j] = 0.0
+                continue
             for i in range(n):
                 for j in range(m):
                     X[j, i] = h * A[c, i, j]
@@ -271,6 +286,10 @@ def _backward(
         table = moments[task]
         for flat in range(task * total // tasks, (task + 1) * total // tasks):
             b, p = flat // N, flat % N
+            if _all_zero(grad_out[b, p]):  # lambda stays 0: no moment, no point gradient (background voxels)
+                for i in range(n):
+                    grad_points[b, p, i] = 0.0
+                continue
             src = 0 if shared else b
             for i in range(n):
                 xs[0, i] = points[src, p, i]

@@ -31,32 +31,31 @@ def _moments(f: np.ndarray, g: np.ndarray, w: np.ndarray, out: np.ndarray) -> No
     """``out[p] = (w, w f, w g, w f f, w g g, w f g)`` for planes ``f, g (P, V)``, weights ``w (Pw, V)`` (plane
     ``p`` takes row ``p * Pw // P``: one row per batch element), ``out (P, 6, V)``."""
     P, V = f.shape
-    for p in numba.prange(P):
-        wp = p * w.shape[0] // P
-        for v in range(V):
-            wv, fv, gv = w[wp, v], f[p, v], g[p, v]
-            out[p, 0, v] = wv
-            out[p, 1, v] = wv * fv
-            out[p, 2, v] = wv * gv
-            out[p, 3, v] = wv * fv * fv
-            out[p, 4, v] = wv * gv * gv
-            out[p, 5, v] = wv * fv * gv
+    for pv in numba.prange(P * V):  # over voxels, not planes: a registration has one plane
+        p, v = pv // V, pv % V
+        wv, fv, gv = w[p * w.shape[0] // P, v], f[p, v], g[p, v]
+        out[p, 0, v] = wv
+        out[p, 1, v] = wv * fv
+        out[p, 2, v] = wv * gv
+        out[p, 3, v] = wv * fv * fv
+        out[p, 4, v] = wv * gv * gv
+        out[p, 5, v] = wv * fv * gv
 
 
 @numba.njit(parallel=True, cache=True)
 def _statistics(sums: np.ndarray, eps: float, cc2: np.ndarray) -> None:
     """Box sums ``(P, 6, V)`` -> in place ``(count, mean_f, mean_g, var_f, var_g, cov)``; ``cc2 (P, V)``."""
     P, _, V = sums.shape
-    for p in numba.prange(P):
-        for v in range(V):
-            count = max(sums[p, 0, v], _TINY)
-            mf, mg = sums[p, 1, v] / count, sums[p, 2, v] / count
-            var_f = sums[p, 3, v] / count - mf * mf
-            var_g = sums[p, 4, v] / count - mg * mg
-            cov = sums[p, 5, v] / count - mf * mg
-            cc2[p, v] = cov * cov / ((max(var_f, 0.0) + eps) * (max(var_g, 0.0) + eps))
-            sums[p, 0, v], sums[p, 1, v], sums[p, 2, v] = count, mf, mg
-            sums[p, 3, v], sums[p, 4, v], sums[p, 5, v] = var_f, var_g, cov
+    for pv in numba.prange(P * V):
+        p, v = pv // V, pv % V
+        count = max(sums[p, 0, v], _TINY)
+        mf, mg = sums[p, 1, v] / count, sums[p, 2, v] / count
+        var_f = sums[p, 3, v] / count - mf * mf
+        var_g = sums[p, 4, v] / count - mg * mg
+        cov = sums[p, 5, v] / count - mf * mg
+        cc2[p, v] = cov * cov / ((max(var_f, 0.0) + eps) * (max(var_g, 0.0) + eps))
+        sums[p, 0, v], sums[p, 1, v], sums[p, 2, v] = count, mf, mg
+        sums[p, 3, v], sums[p, 4, v], sums[p, 5, v] = var_f, var_g, cov
 
 
 @numba.njit(parallel=True, cache=True)
@@ -65,22 +64,22 @@ def _adjoint_maps(stats: np.ndarray, grad: np.ndarray, eps: float, need_f: bool,
     ``a, a mean_f, b_g, b_g mean_g`` (and ``a mean_g, b_f, b_f mean_f`` when ``need_f``), where
     ``a = 2 cov grad / (V_f V_g count)`` and ``b_x = a cov / V_x [var_x >= 0]`` (``V = max(var, 0) + eps``)."""
     P, _, V = stats.shape
-    for p in numba.prange(P):
-        for v in range(V):
-            count, mf, mg = stats[p, 0, v], stats[p, 1, v], stats[p, 2, v]
-            var_f, var_g, cov = stats[p, 3, v], stats[p, 4, v], stats[p, 5, v]
-            vf, vg = max(var_f, 0.0) + eps, max(var_g, 0.0) + eps
-            a = 2.0 * cov * grad[p, v] / (vf * vg * count)
-            b_g = a * cov / vg if var_g >= 0 else 0.0
-            out[p, 0, v] = a
-            out[p, 1, v] = a * mf
-            out[p, 2, v] = b_g
-            out[p, 3, v] = b_g * mg
-            if need_f:
-                b_f = a * cov / vf if var_f >= 0 else 0.0
-                out[p, 4, v] = a * mg
-                out[p, 5, v] = b_f
-                out[p, 6, v] = b_f * mf
+    for pv in numba.prange(P * V):
+        p, v = pv // V, pv % V
+        count, mf, mg = stats[p, 0, v], stats[p, 1, v], stats[p, 2, v]
+        var_f, var_g, cov = stats[p, 3, v], stats[p, 4, v], stats[p, 5, v]
+        vf, vg = max(var_f, 0.0) + eps, max(var_g, 0.0) + eps
+        a = 2.0 * cov * grad[p, v] / (vf * vg * count)
+        b_g = a * cov / vg if var_g >= 0 else 0.0
+        out[p, 0, v] = a
+        out[p, 1, v] = a * mf
+        out[p, 2, v] = b_g
+        out[p, 3, v] = b_g * mg
+        if need_f:
+            b_f = a * cov / vf if var_f >= 0 else 0.0
+            out[p, 4, v] = a * mg
+            out[p, 5, v] = b_f
+            out[p, 6, v] = b_f * mf
 
 
 @numba.njit(parallel=True, cache=True)
@@ -89,14 +88,14 @@ def _combine(
 ) -> None:
     """``grad_g = w (f box(a) - box(a mf) - g box(b_g) + box(b_g mg))`` and, when ``need_f``, the same for ``f``."""
     P, V = f.shape
-    for p in numba.prange(P):
+    for pv in numba.prange(P * V):
+        p, v = pv // V, pv % V
         wp = p * w.shape[0] // P
-        for v in range(V):
-            wv, fv, gv = w[wp, v], f[p, v], g[p, v]
-            box_a = boxed[p, 0, v]
-            grad_g[p, v] = wv * (fv * box_a - boxed[p, 1, v] - gv * boxed[p, 2, v] + boxed[p, 3, v])
-            if need_f:
-                grad_f[p, v] = wv * (gv * box_a - boxed[p, 4, v] - fv * boxed[p, 5, v] + boxed[p, 6, v])
+        wv, fv, gv = w[wp, v], f[p, v], g[p, v]
+        box_a = boxed[p, 0, v]
+        grad_g[p, v] = wv * (fv * box_a - boxed[p, 1, v] - gv * boxed[p, 2, v] + boxed[p, 3, v])
+        if need_f:
+            grad_f[p, v] = wv * (gv * box_a - boxed[p, 4, v] - fv * boxed[p, 5, v] + boxed[p, 6, v])
 
 
 def _threads() -> None:

@@ -144,3 +144,18 @@ def test_unbatched_module_path_and_nan_points():
     expected = reference.transform_points(points)
     assert torch.isnan(out[0]).any() and torch.isnan(expected[0]).any()
     assert torch.allclose(out[1:], expected[1:], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_points_and_cells_without_gradient_are_skipped_exactly(ndim, same_step_matrices):
+    """Points whose dL/dx_T is zero (a registration's background) and cells no such point visits contribute exactly
+    zero; skipping them gives the reference's gradients."""
+    basis, theta, points = case(ndim, 2, "zero", torch.float64)
+    grad = torch.randn_like(points)
+    grad[:, ::3] = 0.0
+    grad[:, : points.shape[1] // 2] = 0.0
+    out, grad_points, grad_theta = _gradients(points, theta, basis, grad, "numba", 5)
+    ref, ref_points, ref_theta = _gradients(points, theta, basis, grad, "reference", 5)
+    assert torch.equal(grad_points[grad.abs().sum(-1) == 0], torch.zeros_like(grad_points[grad.abs().sum(-1) == 0]))
+    _assert_close(grad_points, ref_points, _TOL[torch.float64])
+    _assert_close(grad_theta, ref_theta, _TOL[torch.float64])
