@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import pkgutil
 from types import ModuleType
 
 import torch
@@ -30,6 +31,18 @@ def load_kernels(name: str) -> ModuleType:
         return importlib.import_module(f"regkit_kernels.{name}")
     except ImportError as exc:
         raise BackendError(f"the kernels 'regkit_kernels.{name}' cannot be imported: {exc}") from exc
+
+
+def import_cpu_kernels() -> list[str]:
+    """Import every numba module of ``regkit_kernels`` (``*_numba``) and return their names; none where numba is
+    missing. For benchmarks, which start their timers after the tools' imports: the first call of each kernel still
+    loads or compiles it."""
+    try:
+        import regkit_kernels
+    except ImportError:
+        return []
+    names = [m.name for m in pkgutil.iter_modules(regkit_kernels.__path__) if m.name.endswith("_numba")]
+    return [name for name in names if kernels_available(name)]
 
 
 def kernels_module(face: str, kernels: str) -> str:

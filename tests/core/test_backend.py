@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from regkit._backend import BackendError, load_kernels, resolve_backend
+from regkit._backend import BackendError, import_cpu_kernels, load_kernels, resolve_backend
 
 
 def test_auto_on_cpu_picks_numba_else_the_fastest_pytorch_face():
@@ -35,3 +35,8 @@ def test_numba_needs_cpu_tensors():
 def test_missing_kernel_module_is_a_clear_error():
     with pytest.raises(BackendError, match=r"regkit_kernels\.nonexistent"):
         load_kernels("nonexistent")
+
+
+def test_import_cpu_kernels_finds_the_numba_modules():
+    names = import_cpu_kernels()
+    assert {"cpab_numba", "filters_numba", "lncc_numba", "mi_numba", "sampling_numba"} <= set(names)
