@@ -41,7 +41,9 @@ def import_cpu_kernels() -> list[str]:
         import regkit_kernels
     except ImportError:
         return []
-    names = [m.name for m in pkgutil.iter_modules(regkit_kernels.__path__) if m.name.endswith("_numba")]
+    names = [
+        m.name for m in pkgutil.iter_modules(regkit_kernels.__path__) if m.name.endswith("_numba") and m.name[0] != "_"
+    ]
     return [name for name in names if kernels_available(name)]
 
 

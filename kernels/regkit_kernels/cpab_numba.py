@@ -29,6 +29,8 @@ import numba
 import numpy as np
 import torch
 
+from regkit_kernels._numba import use_torch_threads
+
 _TAYLOR_DEGREE = 12
 _TAYLOR_NORM = 0.25  # scale the linear part of h Ã by 2^-s until its 1-norm is at most this: degree 12 then leaves
 # a truncation error below 1e-17
@@ -330,13 +332,6 @@ def _backward(
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _threads() -> int:
-    """Use as many threads as torch does (``torch.set_num_threads``, the CLI's ``--threads``)."""
-    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(threads)
-    return threads
-
-
 def _tolerance(dtype: torch.dtype) -> float:
     """Where the Taylor series stop: far below the rounding of the dtype the results are kept in."""
     return 1e-17 if dtype == torch.float64 else 1e-10
@@ -346,7 +341,7 @@ def step_matrices(A: torch.Tensor, h: float) -> torch.Tensor:
     """Per-cell step matrices ``E (..., C, n, n + 1)`` = the top ``n`` rows of ``expm(h [A_c; 0])``, in ``A``'s dtype
     (computed in float64, to ``_tolerance(dtype)``). ``A (..., C, n, n + 1)``: the cells' affine velocities, domain
     coordinates. Not differentiable (:class:`CPABIntegrateNumba` differentiates through :func:`step_matrices_vjp`)."""
-    _threads()
+    use_torch_threads()
     flat = A.detach().reshape(-1, *A.shape[-2:]).to(torch.float64).contiguous()
     E = torch.empty(flat.shape, dtype=A.dtype)
     _step_matrices_kernel(flat.numpy(), float(h), E.numpy(), _tolerance(A.dtype))
@@ -356,7 +351,7 @@ def step_matrices(A: torch.Tensor, h: float) -> torch.Tensor:
 def step_matrices_vjp(A: torch.Tensor, h: float, grad_E: torch.Tensor) -> torch.Tensor:
     """``dL/dA`` for ``dL/dE`` through :func:`step_matrices` (the adjoint of the matrix exponential), float64 inside,
     returned in ``A``'s dtype and shape."""
-    _threads()
+    use_torch_threads()
     flat_A = A.detach().reshape(-1, *A.shape[-2:]).to(torch.float64).contiguous()
     flat_grad = grad_E.reshape(flat_A.shape).to(torch.float64).contiguous()
     out = torch.empty_like(flat_A)
@@ -382,7 +377,7 @@ def _source(points: torch.Tensor) -> torch.Tensor:
 def integrate_forward(points: torch.Tensor, E: torch.Tensor, tess: Any, steps: int) -> torch.Tensor:
     """End points ``(B, N, n)`` of ``steps`` scheme steps from ``points (B, N, n)`` (the batch may be a stride-0
     broadcast) with step matrices ``E (B, C, n, n + 1)`` of the same dtype; domain coordinates."""
-    _threads()
+    use_torch_threads()
     B, N, n = points.shape
     out = torch.empty((B, N, n), dtype=points.dtype)
     source, table, geom = _source(points).numpy(), E.detach().contiguous().numpy(), _geometry(tess, points.dtype)
@@ -398,7 +393,7 @@ def integrate_backward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The factorized adjoint for ``grad_out = dL/dx_T (B, N, n)``: ``dL/dpoints (B, N, n)`` and, when ``moments``,
     ``dL/dE (B, C, n, n + 1)`` (the per-cell moments ``sum lambda_{s+1} [x_s; 1]^T``, summed in float64)."""
-    threads = _threads()
+    threads = use_torch_threads()
     B, N, n = grad_out.shape
     grad_points = torch.empty((B, N, n), dtype=grad_out.dtype)
     tasks = max(1, min(threads, B * N // 4096)) if moments else max(1, min(4 * threads, B * N // 4096))

@@ -17,6 +17,8 @@ import numba
 import numpy as np
 import torch
 
+from regkit_kernels._numba import use_torch_threads
+
 
 @numba.njit(parallel=True, cache=True)
 def _correlate(src: np.ndarray, dst: np.ndarray, kernel: np.ndarray, axis: int, edge: bool) -> None:
@@ -96,7 +98,7 @@ def box_sums(image: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     zero outside the image; same shape and dtype. The x axis adds the window's voxels directly (as
     :func:`separable`), the y and z axes keep running sums of whole rows (float error grows with the axis length,
     about 1e-6 relative in float32 for a few hundred voxels). Not differentiable."""
-    _threads()
+    use_torch_threads()
     spatial = image.shape[2:]
     volume = image.detach().reshape(-1, *((1,) * (3 - len(spatial))), *spatial).contiguous()
     src = volume.numpy()
@@ -112,15 +114,11 @@ def box_sums(image: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     return torch.from_numpy(out.copy() if out is src else out).view(image.shape)
 
 
-def _threads() -> None:
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-
-
 def separable(image: torch.Tensor, kernels: Sequence[torch.Tensor | None], edge: bool) -> torch.Tensor:
     """Correlate a CPU ``image (B, C, *spatial)`` along each index axis (x, y[, z]) with its odd 1D kernel (``None``:
     leave the axis alone); zero beyond the border, or the border value when ``edge``. Same shape and dtype; not
     differentiable (the callers' autograd covers that)."""
-    _threads()
+    use_torch_threads()
     spatial = image.shape[2:]
     volume = image.detach().reshape(-1, *((1,) * (3 - len(spatial))), *spatial).contiguous()
     src = volume.numpy()

@@ -21,6 +21,7 @@ import numba
 import numpy as np
 import torch
 
+from regkit_kernels._numba import use_torch_threads
 from regkit_kernels.filters_numba import box_sums
 
 _TINY = 1e-12  # floor of a window's weight sum (regkit.similarity._TINY)
@@ -98,10 +99,6 @@ def _combine(
             grad_f[p, v] = wv * (gv * box_a - boxed[p, 4, v] - fv * boxed[p, 5, v] + boxed[p, 6, v])
 
 
-def _threads() -> None:
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-
-
 def _planes(x: torch.Tensor) -> np.ndarray:
     return x.detach().contiguous().reshape(x.shape[0] * x.shape[1], -1).numpy()
 
@@ -119,7 +116,7 @@ def local_cc2(
     """The squared local NCC map ``(B, C, *spatial)`` of CPU images ``f, g`` with weights ``w (B | 1, 1, *spatial)``
     over ``window`` (odd, index order), and the window statistics ``(B C, 6, voxels)`` for :func:`local_cc2_backward`.
     Not differentiable by itself (``regkit.similarity._LocalCC2`` wraps it)."""
-    _threads()
+    use_torch_threads()
     f_np, g_np, w_np = _planes(f), _planes(g), _planes(w)
     P, V = f_np.shape
     spatial = tuple(f.shape[2:])
@@ -143,7 +140,7 @@ def local_cc2_backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``dL/df`` (when ``need_f``, else None) and ``dL/dg`` for ``grad = dL/dcc2 (B, C, *spatial)``, from the
     statistics :func:`local_cc2` returned (the weights are constants)."""
-    _threads()
+    use_torch_threads()
     f_np, g_np, w_np = _planes(f), _planes(g), _planes(w)
     P, V = f_np.shape
     maps = np.empty((P, 7 if need_f else 4, V), dtype=f_np.dtype)

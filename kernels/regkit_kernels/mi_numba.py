@@ -16,6 +16,8 @@ import numba
 import numpy as np
 import torch
 
+from regkit_kernels._numba import use_torch_threads
+
 
 @numba.njit(cache=True, inline="always")
 def _spline(t: float, bins: int) -> tuple[int, float, float, float, float, float, float, float, float]:
@@ -102,12 +104,6 @@ def _histogram_backward(
             grad_w[k, v] = sum_w
 
 
-def _threads() -> int:
-    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(threads)
-    return threads
-
-
 def _array(x: torch.Tensor) -> np.ndarray:
     return x.detach().contiguous().numpy()
 
@@ -115,7 +111,7 @@ def _array(x: torch.Tensor) -> np.ndarray:
 def joint_histogram(t_f: torch.Tensor, t_g: torch.Tensor, w: torch.Tensor, bins: int) -> torch.Tensor:
     """Joint histograms ``(images, bins, bins)`` of CPU intensities ``t_f, t_g (images, voxels)`` in [0, 1] with
     voxel weights ``w`` of the same shape, in their dtype (summed in float64). Not differentiable by itself."""
-    tasks = max(1, min(_threads(), t_f.shape[1] // 4096))
+    tasks = max(1, min(use_torch_threads(), t_f.shape[1] // 4096))
     tables = np.zeros((tasks, t_f.shape[0], bins, bins))
     _histogram(_array(t_f), _array(t_g), _array(w), bins, tables)
     return torch.from_numpy(tables.sum(axis=0)).to(t_f.dtype)
@@ -125,7 +121,7 @@ def joint_histogram_backward(
     t_f: torch.Tensor, t_g: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, bins: int, needs: tuple[bool, ...]
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``dL/dt_f``, ``dL/dt_g``, ``dL/dw`` (None where ``needs`` is false) for ``grad = dL/dH (images, bins, bins)``."""
-    _threads()
+    use_torch_threads()
     K, V = t_f.shape
     dtype = _array(t_f).dtype
     grad_f, grad_g, grad_w = (np.empty((K, V) if need else (0, 0), dtype=dtype) for need in needs[:3])

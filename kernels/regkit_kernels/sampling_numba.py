@@ -18,6 +18,8 @@ import numba
 import numpy as np
 import torch
 
+from regkit_kernels._numba import use_torch_threads
+
 
 @numba.njit(cache=True, inline="always")
 def _corner(values: np.ndarray, c: int, z: int, y: int, x: int) -> float:
@@ -77,10 +79,6 @@ def _sample_backward(values: np.ndarray, index: np.ndarray, grad: np.ndarray, gr
         grad_index[p, 0], grad_index[p, 1], grad_index[p, 2] = gx, gy, gz
 
 
-def _threads() -> None:
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-
-
 def _volumes(values: torch.Tensor, index: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """``values (C, *spatial)`` as ``(C, Z, Y, X)`` and ``index (P, n)`` as ``(P, 3)``, contiguous arrays."""
     if index.shape[-1] == 2:
@@ -95,7 +93,7 @@ class LinearSample(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        _threads()
+        use_torch_threads()
         ctx.save_for_backward(values, index)
         volume, points = _volumes(values, index)
         out = np.empty((volume.shape[0], points.shape[0]), dtype=volume.dtype)
@@ -107,7 +105,7 @@ class LinearSample(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None]:
         if not ctx.needs_input_grad[1]:
             return None, None
-        _threads()
+        use_torch_threads()
         values, index = ctx.saved_tensors
         volume, points = _volumes(values, index)
         grad_index = np.empty((points.shape[0], 3), dtype=points.dtype)
