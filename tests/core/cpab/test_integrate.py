@@ -318,7 +318,7 @@ def test_float32_factorized_gradient_close_to_float64() -> None:
     grads = []
     for dtype in (torch.float32, F64):
         th = theta.to(dtype).requires_grad_(True)
-        out = integrate(points.to(dtype), basis.to_A(th), basis.tess)
+        out = integrate(points.to(dtype), basis.to_A(th), basis.tess, backend="torch")
         grads.append(torch.autograd.grad((out * weights.to(dtype)).sum(), th)[0].double())
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-3 * grads[1].abs().max().item())
 
