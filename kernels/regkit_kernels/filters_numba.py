@@ -11,7 +11,7 @@ cancellation). Results equal the PyTorch faces' up to float rounding.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numba
 import numpy as np
@@ -58,39 +58,45 @@ def _correlate(src: np.ndarray, dst: np.ndarray, kernel: np.ndarray, axis: int, 
 
 
 @numba.njit(parallel=True, cache=True)
-def _box_rows(src: np.ndarray, dst: np.ndarray, radius: int, axis: int) -> None:
-    """``dst = `` the box sum of ``src (P, Z, Y, X)`` along ``axis`` (1: z, 2: y) with half-width ``radius``, zero
-    beyond the border: a running sum of whole x rows (add the row entering the window, subtract the one leaving it),
-    two operations per voxel whatever the window."""
-    P, Z, Y, X = src.shape
-    lines, length = (P * Z, Y) if axis == 2 else (P * Y, Z)
-    for line in numba.prange(lines):
-        p = line // (Z if axis == 2 else Y)
-        other = line % (Z if axis == 2 else Y)
+def _box_rows(src: np.ndarray, dst: np.ndarray, radius: int) -> None:
+    """``dst = `` the box sum of ``src (P, A, L, X)`` along its axis 2 with half-width ``radius``, zero beyond the
+    border: a running sum of whole x rows (add the row entering the window, subtract the one leaving it), two
+    operations per voxel whatever the window. The z pass hands in views with z and y swapped."""
+    P, A, L, X = src.shape
+    for line in numba.prange(P * A):
+        p, a = line // A, line % A
         acc = np.zeros(X, dtype=src.dtype)
-        for q in range(min(radius, length)):
+        for q in range(min(radius, L)):
             for x in range(X):
-                acc[x] += src[p, other, q, x] if axis == 2 else src[p, q, other, x]
-        for i in range(length):
-            enter, leave = i + radius, i - radius - 1
-            if axis == 2:
-                if enter < length:
-                    for x in range(X):
-                        acc[x] += src[p, other, enter, x]
-                if leave >= 0:
-                    for x in range(X):
-                        acc[x] -= src[p, other, leave, x]
+                acc[x] += src[p, a, q, x]
+        for i in range(L):
+            if i + radius < L:
                 for x in range(X):
-                    dst[p, other, i, x] = acc[x]
-            else:
-                if enter < length:
-                    for x in range(X):
-                        acc[x] += src[p, enter, other, x]
-                if leave >= 0:
-                    for x in range(X):
-                        acc[x] -= src[p, leave, other, x]
+                    acc[x] += src[p, a, i + radius, x]
+            if i - radius - 1 >= 0:
                 for x in range(X):
-                    dst[p, i, other, x] = acc[x]
+                    acc[x] -= src[p, a, i - radius - 1, x]
+            for x in range(X):
+                dst[p, a, i, x] = acc[x]
+
+
+def _correlation(kernel: torch.Tensor, axis: int, edge: bool) -> Callable[[np.ndarray, np.ndarray], None]:
+    """A pass of :func:`_correlate` with ``kernel`` along ``axis``."""
+    weights = kernel.contiguous().numpy()
+    return lambda src, dst: _correlate(src, dst, weights, axis, edge)
+
+
+def _passes(image: torch.Tensor, passes: list[Callable[[np.ndarray, np.ndarray], None]]) -> torch.Tensor:
+    """Run ``passes`` (each ``(src, dst)`` over ``(P, Z, Y, X)`` arrays) one after the other on a CPU ``image
+    (B, C, *spatial)``; same shape and dtype; the caller's image is never written."""
+    use_torch_threads()
+    spatial = image.shape[2:]
+    src = image.detach().reshape(-1, *((1,) * (3 - len(spatial))), *spatial).contiguous().numpy()
+    out, spare = src, np.empty_like(src)
+    for run in passes:
+        run(out, spare)
+        out, spare = spare, (np.empty_like(src) if out is src else out)
+    return torch.from_numpy(out.copy() if out is src else out).view(image.shape)
 
 
 def box_sums(image: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
@@ -98,34 +104,23 @@ def box_sums(image: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     zero outside the image; same shape and dtype. The x axis adds the window's voxels directly (as
     :func:`separable`), the y and z axes keep running sums of whole rows (float error grows with the axis length,
     about 1e-6 relative in float32 for a few hundred voxels). Not differentiable."""
-    use_torch_threads()
-    spatial = image.shape[2:]
-    volume = image.detach().reshape(-1, *((1,) * (3 - len(spatial))), *spatial).contiguous()
-    src = volume.numpy()
-    out, spare = src, np.empty_like(src)
-    for index_axis, k in enumerate(sizes):
-        if k == 1:
-            continue
-        if index_axis == 0:
-            _correlate(out, spare, np.ones(k, dtype=src.dtype), 3, False)
-        else:
-            _box_rows(out, spare, k // 2, 3 - index_axis)
-        out, spare = spare, (np.empty_like(src) if out is src else out)  # never write into the caller's image
-    return torch.from_numpy(out.copy() if out is src else out).view(image.shape)
+    radii = [k // 2 for k in sizes]
+    passes: list[Callable[[np.ndarray, np.ndarray], None]] = []
+    if radii[0]:
+        passes.append(_correlation(torch.ones(sizes[0], dtype=image.dtype), 3, False))
+    if len(radii) > 1 and radii[1]:
+        passes.append(lambda src, dst: _box_rows(src, dst, radii[1]))
+    if len(radii) > 2 and radii[2]:
+        passes.append(lambda src, dst: _box_rows(src.swapaxes(1, 2), dst.swapaxes(1, 2), radii[2]))
+    return _passes(image, passes)
 
 
 def separable(image: torch.Tensor, kernels: Sequence[torch.Tensor | None], edge: bool) -> torch.Tensor:
     """Correlate a CPU ``image (B, C, *spatial)`` along each index axis (x, y[, z]) with its odd 1D kernel (``None``:
     leave the axis alone); zero beyond the border, or the border value when ``edge``. Same shape and dtype; not
     differentiable (the callers' autograd covers that)."""
-    use_torch_threads()
-    spatial = image.shape[2:]
-    volume = image.detach().reshape(-1, *((1,) * (3 - len(spatial))), *spatial).contiguous()
-    src = volume.numpy()
-    out, spare = src, np.empty_like(src)
+    passes: list[Callable[[np.ndarray, np.ndarray], None]] = []
     for index_axis, kernel in enumerate(kernels):
-        if kernel is None:
-            continue
-        _correlate(out, spare, kernel.to(image.dtype).contiguous().numpy(), 3 - index_axis, edge)
-        out, spare = spare, (np.empty_like(src) if out is src else out)  # never write into the caller's image
-    return torch.from_numpy(out.copy() if out is src else out).view(image.shape)
+        if kernel is not None:
+            passes.append(_correlation(kernel.to(image.dtype), 3 - index_axis, edge))
+    return _passes(image, passes)

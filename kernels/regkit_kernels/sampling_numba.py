@@ -29,14 +29,19 @@ def _corner(values: np.ndarray, c: int, z: int, y: int, x: int) -> float:
     return 0.0
 
 
+@numba.njit(cache=True, inline="always")
+def _cell(index: np.ndarray, p: int) -> tuple[int, int, int, float, float, float]:
+    """The voxel below point ``p`` (the corner with the lowest indices) and the point's fractions from it."""
+    x, y, z = index[p, 0], index[p, 1], index[p, 2]
+    x0, y0, z0 = np.floor(x), np.floor(y), np.floor(z)
+    return int(x0), int(y0), int(z0), x - x0, y - y0, z - z0
+
+
 @numba.njit(parallel=True, cache=True)
 def _sample(values: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
     C = values.shape[0]
     for p in numba.prange(index.shape[0]):
-        x, y, z = index[p, 0], index[p, 1], index[p, 2]
-        x0, y0, z0 = np.floor(x), np.floor(y), np.floor(z)
-        fx, fy, fz = x - x0, y - y0, z - z0
-        i, j, k = int(x0), int(y0), int(z0)
+        i, j, k, fx, fy, fz = _cell(index, p)
         for c in range(C):
             acc = 0.0
             for dz in range(2):
@@ -54,10 +59,7 @@ def _sample_backward(values: np.ndarray, index: np.ndarray, grad: np.ndarray, gr
     """``grad_index[p] = sum_c grad[c, p] d(sample_c)/d(index_p)``."""
     C = values.shape[0]
     for p in numba.prange(index.shape[0]):
-        x, y, z = index[p, 0], index[p, 1], index[p, 2]
-        x0, y0, z0 = np.floor(x), np.floor(y), np.floor(z)
-        fx, fy, fz = x - x0, y - y0, z - z0
-        i, j, k = int(x0), int(y0), int(z0)
+        i, j, k, fx, fy, fz = _cell(index, p)
         gx = gy = gz = 0.0
         for c in range(C):
             g = grad[c, p]
