@@ -6,7 +6,6 @@ line on stderr and exit code 1; ``--debug`` shows the traceback instead.
 
 from __future__ import annotations
 
-import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -14,11 +13,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from regkit_cli._process import configure_process
 from regkit_cli.bench import app as bench_app
 
-# Idle OpenMP threads sleep instead of spinning: on a busy machine, spinning threads made a registration ~8x slower
-# (measured on a shared 2-core box). Must be set before torch is imported, which the commands do lazily.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+configure_process()  # before torch is imported, which the commands do lazily
 
 if TYPE_CHECKING:
     from rich.progress import TaskID

@@ -2,11 +2,11 @@
 ``gaussian_smooth`` (reached through ``regkit._backend`` as the ``"numba"`` backend of the ``filters`` op).
 
 Images are ``(B, C, *spatial)`` with spatial layout ``[z, y, x]`` or ``[y, x]``; per-axis arguments are in index order
-(x, y[, z]). One pass per axis correlates with an odd 1D kernel, adding one shifted row of the image at a time, so that
-the contiguous x axis is always the innermost loop and vectorises; outside the image the signal is zero (box sums) or
-its border value (Gaussian smoothing). Box sums add the window's voxels directly along x and keep running sums of
-whole rows along y and z (two operations per voxel; the PyTorch face's cumulative sums over whole lines lose more to
-cancellation). Results equal the PyTorch faces' up to float rounding.
+(x, y[, z]). Gaussian smoothing runs one pass per axis, correlating with an odd 1D kernel one shifted row of the image
+at a time, so that the contiguous x axis is always the innermost loop; beyond the border the signal is its border
+value. Box sums (zero beyond the border) take two passes: per plane, running sums along x rows and direct sums of the
+buffered rows along y; then running sums along z over bundles of lines (two operations per voxel; the PyTorch face's
+cumulative sums over whole lines lose more to cancellation). Results equal the PyTorch faces' up to float rounding.
 """
 
 from __future__ import annotations
@@ -58,26 +58,58 @@ def _correlate(src: np.ndarray, dst: np.ndarray, kernel: np.ndarray, axis: int, 
 
 
 @numba.njit(parallel=True, cache=True)
-def _box_rows(src: np.ndarray, dst: np.ndarray, radius: int) -> None:
-    """``dst = `` the box sum of ``src (P, A, L, X)`` along its axis 2 with half-width ``radius``, zero beyond the
-    border: a running sum of whole x rows (add the row entering the window, subtract the one leaving it), two
-    operations per voxel whatever the window. The z pass hands in views with z and y swapped."""
-    P, A, L, X = src.shape
-    for line in numba.prange(P * A):
-        p, a = line // A, line % A
-        acc = np.zeros(X, dtype=src.dtype)
-        for q in range(min(radius, L)):
+def _box_planes(src: np.ndarray, dst: np.ndarray, rx: int, ry: int) -> None:
+    """``dst = `` the 2D box sum of each plane of ``src (N, Y, X)`` (C-contiguous) with half-widths ``rx, ry``, zero
+    beyond the border. Per plane: a running sum along each x row into a plane buffer (two operations per voxel), then
+    each output row adds the ``2 ry + 1`` buffered rows it covers, the x loop innermost so that it vectorises."""
+    N, Y, X = src.shape
+    for n in numba.prange(N):
+        rows = np.empty((Y, X), dtype=src.dtype)
+        for y in range(Y):
+            acc = src.dtype.type(0)
+            for x in range(min(rx, X)):
+                acc += src[n, y, x]
             for x in range(X):
-                acc[x] += src[p, a, q, x]
-        for i in range(L):
-            if i + radius < L:
-                for x in range(X):
-                    acc[x] += src[p, a, i + radius, x]
-            if i - radius - 1 >= 0:
-                for x in range(X):
-                    acc[x] -= src[p, a, i - radius - 1, x]
+                if x + rx < X:
+                    acc += src[n, y, x + rx]
+                if x - rx - 1 >= 0:
+                    acc -= src[n, y, x - rx - 1]
+                rows[y, x] = acc
+        for y in range(Y):
+            lo, hi = max(y - ry, 0), min(y + ry, Y - 1)
             for x in range(X):
-                dst[p, a, i, x] = acc[x]
+                dst[n, y, x] = rows[lo, x]
+            for q in range(lo + 1, hi + 1):
+                for x in range(X):
+                    dst[n, y, x] += rows[q, x]
+
+
+_LINE_CHUNK = 1024  # voxels of a z line bundle: one bundle's running sums stay in L1
+
+
+@numba.njit(parallel=True, cache=True)
+def _box_lines(src: np.ndarray, dst: np.ndarray, rz: int) -> None:
+    """``dst = `` the box sum of ``src (P, Z, M)`` (C-contiguous) along its axis 1 with half-width ``rz``, zero beyond
+    the border: running sums over bundles of ``_LINE_CHUNK`` neighbouring z lines (add the plane entering the window,
+    subtract the one leaving it), the bundles in parallel."""
+    P, Z, M = src.shape
+    chunks = (M + _LINE_CHUNK - 1) // _LINE_CHUNK
+    for job in numba.prange(P * chunks):
+        p, m0 = job // chunks, (job % chunks) * _LINE_CHUNK
+        m1 = min(M, m0 + _LINE_CHUNK)
+        acc = np.zeros(m1 - m0, dtype=src.dtype)
+        for q in range(min(rz, Z)):
+            for m in range(m0, m1):
+                acc[m - m0] += src[p, q, m]
+        for z in range(Z):
+            if z + rz < Z:
+                for m in range(m0, m1):
+                    acc[m - m0] += src[p, z + rz, m]
+            if z - rz - 1 >= 0:
+                for m in range(m0, m1):
+                    acc[m - m0] -= src[p, z - rz - 1, m]
+            for m in range(m0, m1):
+                dst[p, z, m] = acc[m - m0]
 
 
 def _correlation(kernel: torch.Tensor, axis: int, edge: bool) -> Callable[[np.ndarray, np.ndarray], None]:
@@ -101,18 +133,21 @@ def _passes(image: torch.Tensor, passes: list[Callable[[np.ndarray, np.ndarray],
 
 def box_sums(image: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     """Box sums of a CPU ``image (B, C, *spatial)`` over windows of ``sizes`` voxels (odd, index order x, y[, z]),
-    zero outside the image; same shape and dtype. The x axis adds the window's voxels directly (as
-    :func:`separable`), the y and z axes keep running sums of whole rows (float error grows with the axis length,
-    about 1e-6 relative in float32 for a few hundred voxels). Not differentiable."""
-    radii = [k // 2 for k in sizes]
-    passes: list[Callable[[np.ndarray, np.ndarray], None]] = []
-    if radii[0]:
-        passes.append(_correlation(torch.ones(sizes[0], dtype=image.dtype), 3, False))
-    if len(radii) > 1 and radii[1]:
-        passes.append(lambda src, dst: _box_rows(src, dst, radii[1]))
-    if len(radii) > 2 and radii[2]:
-        passes.append(lambda src, dst: _box_rows(src.swapaxes(1, 2), dst.swapaxes(1, 2), radii[2]))
-    return _passes(image, passes)
+    zero outside the image; same shape and dtype. Running sums along x and z, direct sums of whole rows along y (float
+    error grows with the x and z lengths, about 1e-6 relative in float32 for a few hundred voxels). Not
+    differentiable."""
+    use_torch_threads()
+    radii = [k // 2 for k in sizes] + [0] * (3 - len(sizes))
+    Y, X = image.shape[-2:]
+    src = image.detach().contiguous().numpy()
+    planes = np.empty_like(src)
+    _box_planes(src.reshape(-1, Y, X), planes.reshape(-1, Y, X), radii[0], radii[1])
+    if image.dim() == 4 or radii[2] == 0:
+        return torch.from_numpy(planes)
+    out = np.empty_like(src)
+    Z = image.shape[2]
+    _box_lines(planes.reshape(-1, Z, Y * X), out.reshape(-1, Z, Y * X), radii[2])
+    return torch.from_numpy(out)
 
 
 def separable(image: torch.Tensor, kernels: Sequence[torch.Tensor | None], edge: bool) -> torch.Tensor:

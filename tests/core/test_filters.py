@@ -10,7 +10,15 @@ from regkit.spatial.filters import box_sum, gaussian_smooth
 
 
 @pytest.mark.parametrize("backend", ["torch", "numba"])
-@pytest.mark.parametrize("shape, window", [((2, 3, 9, 11), 5), ((1, 2, 7, 8, 9), (3, 5, 7)), ((1, 1, 4, 5), 9)])
+@pytest.mark.parametrize(
+    "shape, window",
+    [
+        ((2, 3, 9, 11), 5),
+        ((1, 2, 7, 8, 9), (3, 5, 7)),
+        ((1, 1, 4, 5), 9),
+        ((1, 2, 6, 40, 30), (1, 3, 5)),  # z lines in more than one bundle (numba), a window of one voxel along x
+    ],
+)
 def test_box_sum_matches_zero_padded_pooling(shape, window, backend):
     x = torch.randn(*shape, dtype=torch.float64)
     ndim = len(shape) - 2
