@@ -55,28 +55,6 @@ def _butterfly2d(a, b, c, d):
 
 
 @triton.jit
-def _block2d(ptrs, y, x, ok, H, W):
-    """The pixels (a b / c d) of the 2 x 2 block whose top-left pixel is (y, x), as float32, zero outside the plane."""
-    r0 = y * W + x
-    y0 = (y >= 0) & (y < H)
-    y1 = (y >= -1) & (y < H - 1)
-    x0 = (x >= 0) & (x < W)
-    x1 = (x >= -1) & (x < W - 1)
-    a = tl.load(ptrs + r0, mask=ok & (y0 & x0), other=0.0).to(tl.float32)
-    b = tl.load(ptrs + (r0 + 1), mask=ok & (y0 & x1), other=0.0).to(tl.float32)
-    c = tl.load(ptrs + (r0 + W), mask=ok & (y1 & x0), other=0.0).to(tl.float32)
-    d = tl.load(ptrs + (r0 + W + 1), mask=ok & (y1 & x1), other=0.0).to(tl.float32)
-    return a, b, c, d
-
-
-@triton.jit
-def _haar_block2d(ptrs, y, x, ok, H, W):
-    """Unnormalised Haar sub-bands (LL, LH, HL, HH) of the 2 x 2 block whose top-left pixel is (y, x)."""
-    a, b, c, d = _block2d(ptrs, y, x, ok, H, W)
-    return _butterfly2d(a, b, c, d)
-
-
-@triton.jit
 def _polyphase_conv2d(ptrs, w_ptr, qy, qx, ok, H, W, K: tl.constexpr, DIR: tl.constexpr):
     """Depthwise K x K correlation of a plane (DIR = 1) or its adjoint (DIR = -1), at the four pixels 2q + s of each
     block: ``acc_s(q) = sum_t w[t] * plane(2q + s + DIR * (t - K // 2))``, s = (sy, sx) in the order 00, 01, 10, 11.
@@ -129,16 +107,56 @@ def _store_blocks2d(ptrs, v00, v01, v10, v11, qy, qx, ok, H, W):
 
 
 @triton.jit
-def _tile_coords(B, C, Q, BLOCK: tl.constexpr):
-    """This program's channel ``c`` and its tile: ``BLOCK`` consecutive (batch item, grid position) pairs of that
+def _tile_coords(pid, B, C, Q, BLOCK: tl.constexpr):
+    """Program ``pid``'s channel ``c`` and its tile: ``BLOCK`` consecutive (batch item, grid position) pairs of that
     channel, flattened as ``n = b * Q + q`` (so small grids pack many batch items into one tile). Returns c, the plane
     index ``b * C + c`` (int64), q and the validity mask, all [BLOCK]. Programs run chunk fastest, then channel, so
     that neighbouring chunks (which share halos) run together."""
-    pid = tl.program_id(0)
     num_chunks = tl.cdiv(B * Q, BLOCK)
     c = pid // num_chunks
     n = (pid % num_chunks) * BLOCK + tl.arange(0, BLOCK)
     return c, (n // Q * C + c).to(tl.int64), n % Q, n < B * Q
+
+
+@triton.jit
+def _level_tile(pid, B, C, D, H, W, LEVELS: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``pid`` of a launch over the Haar levels 2..LEVELS, level after level, each cut into tiles as by
+    :func:`_tile_coords` on its own grid (every axis of (D, H, W) halved j times, rounding up; 2D: D = 1).
+
+    Returns the level j, the tile (c, plane, q, ok) on level j's grid, level j's input size (level j - 1's grid) and
+    the element offsets of that input in the low-pass buffer (levels 1..L-1 one after the other, B x C planes each)
+    and of level j's sub-bands in the coarse buffer (levels 2..L one after the other, B x C x NB planes each)."""
+    start = 0
+    level = 0
+    local = 0
+    low_off = tl.cast(0, tl.int64)
+    z_off = tl.cast(0, tl.int64)
+    d_in = D
+    h_in = H
+    w_in = W
+    low_at = tl.cast(0, tl.int64)
+    z_at = tl.cast(0, tl.int64)
+    planes = tl.cast(B * C, tl.int64)
+    for j in tl.static_range(2, LEVELS + 1):
+        d_prev = (D + (1 << (j - 1)) - 1) >> (j - 1)
+        h_prev = (H + (1 << (j - 1)) - 1) >> (j - 1)
+        w_prev = (W + (1 << (j - 1)) - 1) >> (j - 1)
+        q_j = ((d_prev + 1) // 2) * ((h_prev + 1) // 2) * ((w_prev + 1) // 2)
+        n = tl.cdiv(B * q_j, BLOCK) * C
+        hit = (pid >= start) & (pid < start + n)
+        level = tl.where(hit, j, level)
+        local = tl.where(hit, pid - start, local)
+        low_off = tl.where(hit, low_at, low_off)
+        z_off = tl.where(hit, z_at, z_off)
+        d_in = tl.where(hit, d_prev, d_in)
+        h_in = tl.where(hit, h_prev, h_in)
+        w_in = tl.where(hit, w_prev, w_in)
+        start += n
+        low_at += planes * d_prev * h_prev * w_prev
+        z_at += planes * NB * q_j
+    q_level = ((d_in + 1) // 2) * ((h_in + 1) // 2) * ((w_in + 1) // 2)
+    c, plane, q, ok = _tile_coords(local, B, C, q_level, BLOCK)
+    return level, c, plane, q, ok, d_in, h_in, w_in, low_off, z_off
 
 
 @triton.jit
@@ -220,19 +238,10 @@ def _slice3d(ptrs, z, ok, D, HW):
 
 
 @triton.jit
-def _haar_block3d(ptrs, z, y, x, ok, D, H, W):
-    """Unnormalised 3D Haar sub-bands (in the order hz + 2 hy + 4 hx) of the 2 x 2 x 2 block at (z, y, x)."""
-    p0, ok0 = _slice3d(ptrs, z, ok, D, H * W)
-    p1, ok1 = _slice3d(ptrs, z + 1, ok, D, H * W)
-    a0, a1, a2, a3 = _haar_block2d(p0, y, x, ok0, H, W)
-    b0, b1, b2, b3 = _haar_block2d(p1, y, x, ok1, H, W)
-    return a0 + b0, a0 - b0, a1 + b1, a1 - b1, a2 + b2, a2 - b2, a3 + b3, a3 - b3
-
-
-@triton.jit
 def _butterfly3d(v0, v1, v2, v3, v4, v5, v6, v7):
-    """The 3D butterfly of :func:`_haar_block3d` on values given in pixel-phase order; like the 2D one it is symmetric,
-    so it also maps sub-band values (in sub-band order) to the block's pixels (in phase order), times 8."""
+    """The unnormalised 3D Haar sub-bands (in the order hz + 2 hy + 4 hx) of a 2 x 2 x 2 block given in pixel-phase
+    order; like the 2D butterfly it is symmetric, so it also maps sub-band values (in sub-band order) to the block's
+    pixels (in phase order), times 8."""
     a0, a1, a2, a3 = _butterfly2d(v0, v1, v2, v3)
     b0, b1, b2, b3 = _butterfly2d(v4, v5, v6, v7)
     return a0 + b0, a0 - b0, a1 + b1, a1 - b1, a2 + b2, a2 - b2, a3 + b3, a3 - b3
@@ -371,7 +380,8 @@ def _store_blocks3d(ptrs, v0, v1, v2, v3, v4, v5, v6, v7, qz, qy, qx, ok, D, H, 
 
 # Weight gradients: one launch for all levels. Level j's (batch item, position) pairs of a channel are cut into
 # cdiv(B * Q_j, SPAN) shares of SPAN consecutive pairs; every (level, share, channel[, z tap]) is one program, which
-# writes one row of partial sums; a second kernel adds the rows up. 2D grids are 3D grids of depth 1.
+# writes one row of partial sums; programs appended to the input gradient's launch add the rows up (_wgrad_finalize).
+# 2D grids are 3D grids of depth 1.
 
 
 @triton.jit
@@ -422,37 +432,22 @@ def _wgrad_plan(pid, B, C, PROGRAMS_PER_SHARE, D, H, W, SPAN, LEVELS: tl.constex
 
 
 @triton.jit
-def _wgrad_finalize_kernel(
-    # pointers: partial sums [rows, C, NB, KT] of every level, then the base's [S_1, C, KT] and the bias's [S_1, C];
-    # the level weights stacked [L, C, NB, KT] and scales [L, C, NB]; base weights [C, KT], scale [C], bias [C];
-    # output, float32: dW [L, C, NB, KT], dS [L, C, NB], dWb [C, KT], dSb [C], dbias [C], one after the other
-    part_ptr,
-    w_ptr,
-    s_ptr,
-    wb_ptr,
-    sb_ptr,
-    bias_ptr,
-    out_ptr,
-    # sizes (2D: D = 1)
-    B,
-    C,
-    D,
-    H,
-    W,
-    SPAN,
-    LEVELS: tl.constexpr,
-    NB: tl.constexpr,
-    KT: tl.constexpr,
-    TAPS: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
-    """Parameter gradients from the partial sums, for channel ``program_id(0)`` and level ``program_id(1) + 1`` (the
-    base conv when ``program_id(1)`` is LEVELS). The partial sums G are products of unnormalised sub-bands, so a
-    level's effective weight r * s * w (r = 2**(-ndim/2), r**2 = 1 / NB) has the gradient G / NB:
+def _wgrad_finalize(
+    part_ptr, params_ptr, wb_ptr, sb_ptr, bias_ptr, out_ptr, pid, B, C, D, H, W, SPAN,
+    LEVELS: tl.constexpr, NB: tl.constexpr, KT: tl.constexpr, TAPS: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """Parameter gradients from the partial sums (``part_ptr``: [rows, C, NB, KT] of every level, then the base's [S_1,
+    C, KT] and the bias's [S_1, C]) for channel ``pid % C`` and level ``pid // C + 1`` (the base conv when ``pid // C``
+    is LEVELS), ``C * (LEVELS + 1)`` programs in all. ``params_ptr`` holds the level weights [L, C, NB, KT] then the
+    level scales [L, C, NB]; base weights [C, KT], scale [C], bias [C] (2D: D = 1). Output, float32: dW [L, C, NB, KT],
+    dS [L, C, NB], dWb [C, KT], dSb [C], dbias [C], one after the other. The partial sums G are products of unnormalised
+    sub-bands, so a level's effective weight r * s * w (r = 2**(-ndim/2), r**2 = 1 / NB) has the gradient G / NB:
     ``dw = s * G / NB``, ``ds = sum_t w * G / NB``; the base: ``dwb = sb * Gb``, ``dsb = sum_t wb * Gb + bias * Gbias``,
     ``dbias = sb * Gbias``."""
-    c = tl.program_id(0)
-    j = tl.program_id(1)
+    c = pid % C
+    j = pid // C
+    w_ptr = params_ptr
+    s_ptr = params_ptr + LEVELS * C * NB * KT
     t = tl.arange(0, TAPS)
     t_ok = t < KT
     rows = 0

@@ -14,11 +14,12 @@ from regkit_kernels.wtconv._tile import (
     _butterfly2d,
     _coarse_synthesis2d,
     _divmod,
-    _haar_block2d,
     _haar_conv2d,
+    _level_tile,
     _polyphase_conv2d,
     _store_blocks2d,
     _tile_coords,
+    _wgrad_finalize,
     _wgrad_plan,
     _within,
 )
@@ -34,67 +35,101 @@ def _store_bands2d(ptrs, size, e0, e1, e2, e3, ok):
 
 
 @triton.jit
-def _haar_lowpass2d_kernel(
-    # pointers: a plane stack [B, C, H, W] and its raw Haar low-pass [B, C, Hq, Wq]
+def _haar_lowpasses2d_kernel(
+    # pointers: a plane stack [P, H, W] and its raw Haar low-passes of levels 1..LEVELS-1, one after the other
+    # ([P, ceil(H / 2**j), ceil(W / 2**j)] each)
     src_ptr,
     low_ptr,
     # sizes
-    B,
-    C,
+    P,
     H,
     W,
-    Hq,
-    Wq,
-    BLOCK: tl.constexpr,
+    LEVELS: tl.constexpr,
+    NP: tl.constexpr,
+    TY: tl.constexpr,
+    TX: tl.constexpr,
 ):
-    """The orthonormal Haar low-pass (LL) of every 2 x 2 block, zero-padded on the far side of odd sizes."""
-    _, plane, q, ok = _tile_coords(B, C, Hq * Wq, BLOCK)
-    ll, _, _, _ = _haar_block2d(src_ptr + plane * H * W, 2 * (q // Wq), 2 * (q % Wq), ok, H, W)
-    tl.store(low_ptr + plane * Hq * Wq + q, 0.5 * ll, mask=ok)
+    """The orthonormal Haar low-passes (LL) of levels 1..LEVELS-1 in one pass, zero-padded on the far side of odd
+    sizes: a program loads a tile of NP planes x TY x TX pixels (TY and TX multiples of 2**(LEVELS-1)) and halves it
+    LEVELS-1 times in registers, storing each level's part."""
+    pid = tl.program_id(0)
+    tiles_x = tl.cdiv(W, TX)
+    tiles = tl.cdiv(H, TY) * tiles_x
+    p0 = pid // tiles * NP
+    y0 = pid % tiles // tiles_x * TY
+    x0 = pid % tiles_x * TX
+    r = tl.arange(0, NP * TY)[:, None]
+    p = p0 + r // TY
+    y = y0 + r % TY
+    x = x0 + tl.arange(0, TX)[None, :]
+    ok = (p < P) & _within(y, H) & _within(x, W)
+    v = tl.load(src_ptr + (p.to(tl.int64) * H + y) * W + x, mask=ok, other=0.0).to(tl.float32)
+    offset = tl.cast(0, tl.int64)
+    h = H
+    w = W
+    for j in tl.static_range(1, LEVELS):  # level j's tile: NP x (TY >> j) x (TX >> j)
+        v = tl.sum(tl.reshape(v, [NP * (TY >> j), 2, TX >> (j - 1)]), axis=1)  # row pairs (they stay in a plane)
+        v = 0.5 * tl.sum(tl.reshape(v, [NP * (TY >> j), TX >> j, 2]), axis=2)  # column pairs
+        h = (h + 1) // 2
+        w = (w + 1) // 2
+        r = tl.arange(0, NP * (TY >> j))[:, None]
+        p = p0 + r // (TY >> j)
+        y = (y0 >> j) + r % (TY >> j)
+        x = (x0 >> j) + tl.arange(0, TX >> j)[None, :]
+        ok = (p < P) & _within(y, h) & _within(x, w)
+        tl.store(low_ptr + offset + (p.to(tl.int64) * h + y) * w + x, v, mask=ok)
+        offset += tl.cast(P, tl.int64) * h * w
 
 
 @triton.jit
-def _wtconv2d_level_fwd_kernel(
-    # pointers: the previous level's raw low-pass [B, C, H, W]; weights [C, 4, K*K] and scales [C, 4]; outputs: the
-    # processed sub-bands Z [B, C, 4, Hq, Wq] and this level's raw low-pass [B, C, Hq, Wq] (the positions
-    # q < low_size: all, or none at the deepest level)
-    src_ptr,
-    w_ptr,
-    s_ptr,
-    z_ptr,
+def _level2d(low_ptr, params_ptr, z_ptr, pid, B, C, H, W, LEVELS: tl.constexpr, K: tl.constexpr,
+             DIR: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Program ``pid`` of the Haar levels 2..LEVELS (see ``_level_tile``): the depthwise conv (DIR = 1) or its adjoint
+    (DIR = -1) of the sub-bands of the previous level's low-pass, recomputed on chip, into the level's part of the
+    coarse buffer. ``params_ptr`` holds the level weights [L, C, 4, K*K] then the scales [L, C, 4]."""
+    level, c, plane, q, ok, _, h, w, low_off, z_off = _level_tile(pid, B, C, 1, H, W, LEVELS, 4, BLOCK)
+    wq = (w + 1) // 2
+    size = (h + 1) // 2 * wq
+    wc = (level - 1) * C + c
+    z0, z1, z2, z3 = _haar_conv2d(
+        low_ptr + low_off + plane * h * w, params_ptr + wc * 4 * K * K, params_ptr + LEVELS * C * 4 * K * K + wc * 4,
+        q // wq, q % wq, ok, h, w, K, DIR,
+    )  # fmt: skip
+    _store_bands2d(z_ptr + z_off + plane * 4 * size + q, size, z0, z1, z2, z3, ok)
+
+
+@triton.jit
+def _wtconv2d_levels_kernel(
+    # pointers: the raw low-passes of levels 1..LEVELS-1 [B, C, ...] one after the other; the level weights and scales
+    # (see ``_level2d``); output: the sub-bands Z of levels 2..LEVELS [B, C, 4, ...] one after the other
     low_ptr,
+    params_ptr,
+    z_ptr,
     # sizes
     B,
     C,
     H,
     W,
-    Hq,
-    Wq,
-    low_size,
+    LEVELS: tl.constexpr,
     K: tl.constexpr,
+    DIR: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One Haar level (2 and deeper): analysis of the low-pass recomputed on chip, fused with the depthwise conv."""
-    c, plane, q, ok = _tile_coords(B, C, Hq * Wq, BLOCK)
-    qy = q // Wq
-    qx = q % Wq
-    src = src_ptr + plane * H * W
-    ll, _, _, _ = _haar_block2d(src, 2 * qy, 2 * qx, ok, H, W)
-    tl.store(low_ptr + plane * Hq * Wq + q, 0.5 * ll, mask=ok & (q < low_size))
-    z0, z1, z2, z3 = _haar_conv2d(src, w_ptr + c * 4 * K * K, s_ptr + c * 4, qy, qx, ok, H, W, K, 1)
-    _store_bands2d(z_ptr + plane * 4 * Hq * Wq + q, Hq * Wq, z0, z1, z2, z3, ok)
+    """Haar levels 2..LEVELS in one launch: analysis of the previous level's low-pass recomputed on chip, fused with
+    the level's depthwise conv (DIR = 1) or its adjoint (DIR = -1; in 2D the backward pass runs the levels inside the
+    weight-gradient launch instead)."""
+    _level2d(low_ptr, params_ptr, z_ptr, tl.program_id(0), B, C, H, W, LEVELS, K, DIR, BLOCK)
 
 
 @triton.jit
 def _wtconv2d_fwd_kernel(
-    # pointers: x and out [B, C, H, W]; base weights [C, K*K], bias [C] and scale [C]; level-1 weights [C, 4, K*K]
-    # and scales [C, 4]; the processed sub-bands of levels 2..LEVELS, one after the other
+    # pointers: x and out [B, C, H, W]; base weights [C, K*K], bias [C] and scale [C]; the level weights and scales
+    # (see ``_level2d``); the processed sub-bands of levels 2..LEVELS, one after the other
     x_ptr,
     wb_ptr,
     bias_ptr,
     sb_ptr,
-    w1_ptr,
-    s1_ptr,
+    params_ptr,
     coarse_ptr,
     out_ptr,
     # sizes; (H1, W1) is the level-1 grid, ceil(H / 2) x ceil(W / 2)
@@ -111,11 +146,13 @@ def _wtconv2d_fwd_kernel(
 ):
     """The output, one 2 x 2 block per level-1 position q: base conv + bias + synthesis of level 1 (computed here from
     x) and of the deeper levels (closed form), written once."""
-    c, plane, q, ok = _tile_coords(B, C, H1 * W1, BLOCK)
+    c, plane, q, ok = _tile_coords(tl.program_id(0), B, C, H1 * W1, BLOCK)
     qy = q // W1
     qx = q % W1
     xs = x_ptr + plane * H * W
-    z0, z1, z2, z3 = _haar_conv2d(xs, w1_ptr + c * 4 * K * K, s1_ptr + c * 4, qy, qx, ok, H, W, K, 1)
+    z0, z1, z2, z3 = _haar_conv2d(
+        xs, params_ptr + c * 4 * K * K, params_ptr + LEVELS * C * 4 * K * K + c * 4, qy, qx, ok, H, W, K, 1
+    )
     z0 += _coarse_synthesis2d(coarse_ptr, plane, qy, qx, ok, B * C, H, W, LEVELS)
     r00, r01, r10, r11 = _butterfly2d(z0, z1, z2, z3)
     a00, a01, a10, a11 = _polyphase_conv2d(xs, wb_ptr + c * K * K, qy, qx, ok, H, W, K, 1)
@@ -130,50 +167,19 @@ def _wtconv2d_fwd_kernel(
 
 
 @triton.jit
-def _wtconv2d_level_bwd_kernel(
-    # pointers: the output gradient's low-pass at the level's input [B, C, H, W]; weights [C, 4, K*K] and scales
-    # [C, 4]; outputs: the gradient of the level's sub-bands [B, C, 4, Hq, Wq] and the output gradient's next
-    # low-pass [B, C, Hq, Wq] (q < low_size, as in the forward)
-    dsrc_ptr,
-    w_ptr,
-    s_ptr,
-    dz_ptr,
-    dlow_ptr,
-    # sizes
-    B,
-    C,
-    H,
-    W,
-    Hq,
-    Wq,
-    low_size,
-    K: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Backward of one Haar level (2 and deeper): the gradient of its sub-bands, the adjoint conv of the level's output
-    gradient, which is the Haar analysis of the output gradient's low-pass (the adjoint of the closed-form synthesis),
-    recomputed on chip like the forward's sub-bands."""
-    c, plane, q, ok = _tile_coords(B, C, Hq * Wq, BLOCK)
-    qy = q // Wq
-    qx = q % Wq
-    dsrc = dsrc_ptr + plane * H * W
-    ll, _, _, _ = _haar_block2d(dsrc, 2 * qy, 2 * qx, ok, H, W)
-    tl.store(dlow_ptr + plane * Hq * Wq + q, 0.5 * ll, mask=ok & (q < low_size))
-    e0, e1, e2, e3 = _haar_conv2d(dsrc, w_ptr + c * 4 * K * K, s_ptr + c * 4, qy, qx, ok, H, W, K, -1)
-    _store_bands2d(dz_ptr + plane * 4 * Hq * Wq + q, Hq * Wq, e0, e1, e2, e3, ok)
-
-
-@triton.jit
 def _wtconv2d_bwd_kernel(
-    # pointers: output gradient and input gradient [B, C, H, W]; base weights [C, K*K] and scale [C]; level-1
-    # weights [C, 4, K*K] and scales [C, 4]; the sub-band gradients of levels 2..LEVELS one after the other
+    # pointers: output gradient and input gradient [B, C, H, W]; base weights [C, K*K], scale [C] and bias [C]; the
+    # level weights and scales (see ``_level2d``); the sub-band gradients of levels 2..LEVELS one after the other;
+    # the weight-gradient partial sums and the parameter gradients (see ``_wgrad_finalize``)
     dy_ptr,
     wb_ptr,
     sb_ptr,
-    w1_ptr,
-    s1_ptr,
+    bias_ptr,
+    params_ptr,
     coarse_ptr,
     dx_ptr,
+    part_ptr,
+    grads_ptr,
     # sizes
     B,
     C,
@@ -181,25 +187,40 @@ def _wtconv2d_bwd_kernel(
     W,
     H1,
     W1,
+    SPAN,
+    DX_PROGRAMS,
     LEVELS: tl.constexpr,
     K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    TAPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """The input gradient, one 2 x 2 block per level-1 position: the adjoint base conv of the output gradient plus the
-    synthesis of all levels' sub-band gradients (level 1's computed here), written once."""
-    c, plane, q, ok = _tile_coords(B, C, H1 * W1, BLOCK)
-    qy = q // W1
-    qx = q % W1
-    dys = dy_ptr + plane * H * W
-    e0, e1, e2, e3 = _haar_conv2d(dys, w1_ptr + c * 4 * K * K, s1_ptr + c * 4, qy, qx, ok, H, W, K, -1)
-    e0 += _coarse_synthesis2d(coarse_ptr, plane, qy, qx, ok, B * C, H, W, LEVELS)
-    r00, r01, r10, r11 = _butterfly2d(e0, e1, e2, e3)
-    a00, a01, a10, a11 = _polyphase_conv2d(dys, wb_ptr + c * K * K, qy, qx, ok, H, W, K, -1)
-    sb = tl.load(sb_ptr + c).to(tl.float32)
-    dx = dx_ptr + plane * H * W
-    _store_blocks2d(
-        dx, sb * a00 + 0.5 * r00, sb * a01 + 0.5 * r01, sb * a10 + 0.5 * r10, sb * a11 + 0.5 * r11, qy, qx, ok, H, W
-    )
+    """The input gradient, one 2 x 2 block per level-1 position (programs below DX_PROGRAMS): the adjoint base conv of
+    the output gradient plus the synthesis of all levels' sub-band gradients (level 1's computed here), written once.
+    The programs after them sum the weight-gradient partial sums up (``_wgrad_finalize``), in the same launch."""
+    pid = tl.program_id(0)
+    if pid < DX_PROGRAMS:
+        c, plane, q, ok = _tile_coords(pid, B, C, H1 * W1, BLOCK)
+        qy = q // W1
+        qx = q % W1
+        dys = dy_ptr + plane * H * W
+        e0, e1, e2, e3 = _haar_conv2d(
+            dys, params_ptr + c * 4 * K * K, params_ptr + LEVELS * C * 4 * K * K + c * 4, qy, qx, ok, H, W, K, -1
+        )
+        e0 += _coarse_synthesis2d(coarse_ptr, plane, qy, qx, ok, B * C, H, W, LEVELS)
+        r00, r01, r10, r11 = _butterfly2d(e0, e1, e2, e3)
+        a00, a01, a10, a11 = _polyphase_conv2d(dys, wb_ptr + c * K * K, qy, qx, ok, H, W, K, -1)
+        sb = tl.load(sb_ptr + c).to(tl.float32)
+        dx = dx_ptr + plane * H * W
+        _store_blocks2d(
+            dx, sb * a00 + 0.5 * r00, sb * a01 + 0.5 * r01, sb * a10 + 0.5 * r10, sb * a11 + 0.5 * r11, qy, qx, ok, H,
+            W,
+        )  # fmt: skip
+    else:
+        _wgrad_finalize(
+            part_ptr, params_ptr, wb_ptr, sb_ptr, bias_ptr, grads_ptr, pid - DX_PROGRAMS, B, C, 1, H, W, SPAN, LEVELS,
+            4, K * K, TAPS, HAS_BIAS,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -279,11 +300,14 @@ def _wgrad2d_level(
 @triton.jit
 def _wtconv2d_wgrad_kernel(
     # pointers: the output gradient dy and x [B, C, H, W]; the low-passes of levels 1..L-1 of dy and of x, one after
-    # the other; output: partial sums (see ``_wgrad_finalize_kernel``)
+    # the other; the level weights and scales (see ``_level2d``); outputs: the sub-band gradients of levels 2..L one
+    # after the other and the weight-gradient partial sums (see ``_wgrad_finalize``)
     dy_ptr,
     x_ptr,
     glow_ptr,
     low_ptr,
+    params_ptr,
+    dz_ptr,
     part_ptr,
     # sizes
     B,
@@ -291,24 +315,32 @@ def _wtconv2d_wgrad_kernel(
     H,
     W,
     SPAN,
+    LEVEL_PROGRAMS,
     LEVELS: tl.constexpr,
     K: tl.constexpr,
     TAPS: tl.constexpr,
     BLOCK: tl.constexpr,
+    LEVEL_BLOCK: tl.constexpr,
 ):
-    """Weight gradients of every level (and of the base conv and bias) in one launch: program = (level, share,
-    channel), see ``_wgrad_plan``. Level 1 reads dy and x, deeper levels the low-pass buffers."""
-    level, local, row0, off, _, h_in, w_in, rows = _wgrad_plan(tl.program_id(0), B, C, C, 1, H, W, SPAN, LEVELS)
-    c = local % C
-    share = local // C
-    base_off = rows * C * 4 * K * K
-    if level == 1:
-        _wgrad2d_level(
-            dy_ptr, x_ptr, part_ptr, c, share, row0 + share, C, B, H, W, (H + 1) // 2, (W + 1) // 2, base_off, SPAN,
-            K, True, TAPS, BLOCK,
-        )  # fmt: skip
+    """The backward pass of Haar levels 2..LEVELS (programs below LEVEL_PROGRAMS, see ``_level2d``: the sub-band
+    gradient is the adjoint conv of the Haar analysis of the output gradient's low-pass, the adjoint of the closed-form
+    synthesis) and, after them in the same launch, the weight gradients of every level, the base conv and the bias:
+    program = (level, share, channel), see ``_wgrad_plan``; level 1 reads dy and x, deeper levels the low-passes."""
+    pid = tl.program_id(0)
+    if pid < LEVEL_PROGRAMS:
+        _level2d(glow_ptr, params_ptr, dz_ptr, pid, B, C, H, W, LEVELS, K, -1, LEVEL_BLOCK)
     else:
-        _wgrad2d_level(
-            glow_ptr + off, low_ptr + off, part_ptr, c, share, row0 + share, C, B, h_in, w_in, (h_in + 1) // 2,
-            (w_in + 1) // 2, base_off, SPAN, K, False, TAPS, BLOCK,
-        )  # fmt: skip
+        level, local, row0, off, _, h_in, w_in, rows = _wgrad_plan(pid - LEVEL_PROGRAMS, B, C, C, 1, H, W, SPAN, LEVELS)
+        c = local % C
+        share = local // C
+        base_off = rows * C * 4 * K * K
+        if level == 1:
+            _wgrad2d_level(
+                dy_ptr, x_ptr, part_ptr, c, share, row0 + share, C, B, H, W, (H + 1) // 2, (W + 1) // 2, base_off,
+                SPAN, K, True, TAPS, BLOCK,
+            )  # fmt: skip
+        else:
+            _wgrad2d_level(
+                glow_ptr + off, low_ptr + off, part_ptr, c, share, row0 + share, C, B, h_in, w_in, (h_in + 1) // 2,
+                (w_in + 1) // 2, base_off, SPAN, K, False, TAPS, BLOCK,
+            )  # fmt: skip

@@ -13,11 +13,12 @@ from regkit_kernels.wtconv._tile import (
     _butterfly3d,
     _coarse_synthesis3d,
     _divmod,
-    _haar_block3d,
     _haar_conv3d,
+    _level_tile,
     _polyphase_conv3d,
     _store_blocks3d,
     _tile_coords,
+    _wgrad_finalize,
     _wgrad_plan,
     _within,
 )
@@ -44,74 +45,112 @@ def _store_bands3d(ptrs, size, e0, e1, e2, e3, e4, e5, e6, e7, ok):
 
 
 @triton.jit
-def _haar_lowpass3d_kernel(
-    # pointers: a volume stack [B, C, D, H, W] and its raw Haar low-pass [B, C, Dq, Hq, Wq]
+def _haar_lowpasses3d_kernel(
+    # pointers: a volume stack [P, D, H, W] and its raw Haar low-passes of levels 1..LEVELS-1, one after the other
     src_ptr,
     low_ptr,
     # sizes
-    B,
-    C,
+    P,
     D,
     H,
     W,
-    Dq,
-    Hq,
-    Wq,
-    BLOCK: tl.constexpr,
+    LEVELS: tl.constexpr,
+    NP: tl.constexpr,
+    TZ: tl.constexpr,
+    TY: tl.constexpr,
+    TX: tl.constexpr,
 ):
-    """The orthonormal Haar low-pass (LLL) of every 2 x 2 x 2 block, zero-padded on the far side of odd sizes."""
-    _, plane, q, ok = _tile_coords(B, C, Dq * Hq * Wq, BLOCK)
-    qz, qy, qx = _grid_coords3d(q, Hq, Wq)
-    ll, _, _, _, _, _, _, _ = _haar_block3d(src_ptr + plane * D * H * W, 2 * qz, 2 * qy, 2 * qx, ok, D, H, W)
-    tl.store(low_ptr + plane * Dq * Hq * Wq + q, ll * _R3, mask=ok)
+    """The orthonormal Haar low-passes (LLL) of levels 1..LEVELS-1 in one pass, zero-padded on the far side of odd
+    sizes; a program halves a tile of NP volumes x TZ x TY x TX voxels (multiples of 2**(LEVELS-1)) in registers, as
+    in the 2D kernel (rows of the tile are (volume, z, y), flattened)."""
+    pid = tl.program_id(0)
+    tiles_x = tl.cdiv(W, TX)
+    tiles_y = tl.cdiv(H, TY)
+    tiles = tl.cdiv(D, TZ) * tiles_y * tiles_x
+    p0 = pid // tiles * NP
+    z0 = pid % tiles // (tiles_y * tiles_x) * TZ
+    y0 = pid % (tiles_y * tiles_x) // tiles_x * TY
+    x0 = pid % tiles_x * TX
+    r = tl.arange(0, NP * TZ * TY)[:, None]
+    p = p0 + r // (TZ * TY)
+    z = z0 + r // TY % TZ
+    y = y0 + r % TY
+    x = x0 + tl.arange(0, TX)[None, :]
+    ok = (p < P) & _within(z, D) & _within(y, H) & _within(x, W)
+    v = tl.load(src_ptr + ((p.to(tl.int64) * D + z) * H + y) * W + x, mask=ok, other=0.0).to(tl.float32)
+    offset = tl.cast(0, tl.int64)
+    d = D
+    h = H
+    w = W
+    for j in tl.static_range(1, LEVELS):  # level j's tile: NP x (TZ >> j) x (TY >> j) x (TX >> j)
+        v = tl.sum(tl.reshape(v, [NP * (TZ >> j), 2, (TY >> (j - 1)) * (TX >> (j - 1))]), axis=1)  # z pairs
+        v = tl.sum(tl.reshape(v, [NP * (TZ >> j) * (TY >> j), 2, TX >> (j - 1)]), axis=1)  # row pairs
+        v = _R3 * tl.sum(tl.reshape(v, [NP * (TZ >> j) * (TY >> j), TX >> j, 2]), axis=2)  # column pairs
+        d = (d + 1) // 2
+        h = (h + 1) // 2
+        w = (w + 1) // 2
+        r = tl.arange(0, NP * (TZ >> j) * (TY >> j))[:, None]
+        p = p0 + r // ((TZ >> j) * (TY >> j))
+        z = (z0 >> j) + r // (TY >> j) % (TZ >> j)
+        y = (y0 >> j) + r % (TY >> j)
+        x = (x0 >> j) + tl.arange(0, TX >> j)[None, :]
+        ok = (p < P) & _within(z, d) & _within(y, h) & _within(x, w)
+        tl.store(low_ptr + offset + ((p.to(tl.int64) * d + z) * h + y) * w + x, v, mask=ok)
+        offset += tl.cast(P, tl.int64) * d * h * w
 
 
 @triton.jit
-def _wtconv3d_level_fwd_kernel(
-    # pointers: the previous level's raw low-pass [B, C, D, H, W]; weights [C, 8, K**3] and scales [C, 8]; outputs:
-    # the processed sub-bands Z [B, C, 8, Dq, Hq, Wq] and this level's raw low-pass [B, C, Dq, Hq, Wq]
-    # (q < low_size: all or none)
-    src_ptr,
-    w_ptr,
-    s_ptr,
-    z_ptr,
+def _level3d(low_ptr, params_ptr, z_ptr, pid, B, C, D, H, W, LEVELS: tl.constexpr, K: tl.constexpr,
+             DIR: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Program ``pid`` of the Haar levels 2..LEVELS; see ``_level2d`` (``params_ptr``: weights [L, C, 8, K**3] then
+    scales [L, C, 8])."""
+    level, c, plane, q, ok, d, h, w, low_off, z_off = _level_tile(pid, B, C, D, H, W, LEVELS, 8, BLOCK)
+    hq = (h + 1) // 2
+    wq = (w + 1) // 2
+    size = (d + 1) // 2 * hq * wq
+    qz, qy, qx = _grid_coords3d(q, hq, wq)
+    wc = (level - 1) * C + c
+    KKK: tl.constexpr = K * K * K
+    z0, z1, z2, z3, z4, z5, z6, z7 = _haar_conv3d(
+        low_ptr + low_off + plane * d * h * w, params_ptr + wc * 8 * KKK, params_ptr + LEVELS * C * 8 * KKK + wc * 8,
+        qz, qy, qx, ok, d, h, w, K, DIR,
+    )  # fmt: skip
+    _store_bands3d(z_ptr + z_off + plane * 8 * size + q, size, z0, z1, z2, z3, z4, z5, z6, z7, ok)
+
+
+@triton.jit
+def _wtconv3d_levels_kernel(
+    # pointers: the raw low-passes of levels 1..LEVELS-1 (of x or of the output gradient) one after the other; the
+    # level weights and scales (see ``_level3d``); output: the sub-bands of levels 2..LEVELS (processed, or their
+    # gradients) one after the other
     low_ptr,
+    params_ptr,
+    z_ptr,
     # sizes
     B,
     C,
     D,
     H,
     W,
-    Dq,
-    Hq,
-    Wq,
-    low_size,
+    LEVELS: tl.constexpr,
     K: tl.constexpr,
+    DIR: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One Haar level (2 and deeper): analysis recomputed on chip, fused with the depthwise conv."""
-    size = Dq * Hq * Wq
-    c, plane, q, ok = _tile_coords(B, C, size, BLOCK)
-    qz, qy, qx = _grid_coords3d(q, Hq, Wq)
-    src = src_ptr + plane * D * H * W
-    ll, _, _, _, _, _, _, _ = _haar_block3d(src, 2 * qz, 2 * qy, 2 * qx, ok, D, H, W)
-    tl.store(low_ptr + plane * size + q, ll * _R3, mask=ok & (q < low_size))
-    z0, z1, z2, z3, z4, z5, z6, z7 = _haar_conv3d(
-        src, w_ptr + c * 8 * K * K * K, s_ptr + c * 8, qz, qy, qx, ok, D, H, W, K, 1
-    )
-    _store_bands3d(z_ptr + plane * 8 * size + q, size, z0, z1, z2, z3, z4, z5, z6, z7, ok)
+    """Haar levels 2..LEVELS in one launch, forward (DIR = 1: the processed sub-bands from x's low-passes) or backward
+    (DIR = -1: the sub-band gradients from the output gradient's low-passes); see ``_level3d``."""
+    _level3d(low_ptr, params_ptr, z_ptr, tl.program_id(0), B, C, D, H, W, LEVELS, K, DIR, BLOCK)
 
 
 @triton.jit
 def _wtconv3d_fwd_kernel(
-    # pointers: x and out [B, C, D, H, W]; base weights [C, K**3], bias [C] and scale [C]; level-1 weights
-    # [C, 8, K**3] and scales [C, 8]; the processed sub-bands of levels 2..LEVELS, one after the other
+    # pointers: x and out [B, C, D, H, W]; base weights [C, K**3], bias [C] and scale [C]; the level weights and
+    # scales (see ``_level3d``); the processed sub-bands of levels 2..LEVELS, one after the other
     x_ptr,
     wb_ptr,
     bias_ptr,
     sb_ptr,
-    w1_ptr,
-    s1_ptr,
+    params_ptr,
     coarse_ptr,
     out_ptr,
     # sizes; (D1, H1, W1) is the level-1 grid
@@ -129,15 +168,16 @@ def _wtconv3d_fwd_kernel(
     BLOCK: tl.constexpr,
 ):
     """The output, one 2 x 2 x 2 block per level-1 position (see the 2D kernel)."""
-    c, plane, q, ok = _tile_coords(B, C, D1 * H1 * W1, BLOCK)
+    KKK: tl.constexpr = K * K * K
+    c, plane, q, ok = _tile_coords(tl.program_id(0), B, C, D1 * H1 * W1, BLOCK)
     qz, qy, qx = _grid_coords3d(q, H1, W1)
     xs = x_ptr + plane * D * H * W
     z0, z1, z2, z3, z4, z5, z6, z7 = _haar_conv3d(
-        xs, w1_ptr + c * 8 * K * K * K, s1_ptr + c * 8, qz, qy, qx, ok, D, H, W, K, 1
+        xs, params_ptr + c * 8 * KKK, params_ptr + LEVELS * C * 8 * KKK + c * 8, qz, qy, qx, ok, D, H, W, K, 1
     )
     z0 += _coarse_synthesis3d(coarse_ptr, plane, qz, qy, qx, ok, B * C, D, H, W, LEVELS)
     r0, r1, r2, r3, r4, r5, r6, r7 = _butterfly3d(z0, z1, z2, z3, z4, z5, z6, z7)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _polyphase_conv3d(xs, wb_ptr + c * K * K * K, qz, qy, qx, ok, D, H, W, K, 1)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _polyphase_conv3d(xs, wb_ptr + c * KKK, qz, qy, qx, ok, D, H, W, K, 1)
     sb = tl.load(sb_ptr + c).to(tl.float32)
     bias = tl.load(bias_ptr + c).to(tl.float32) if HAS_BIAS else 0.0
     _store_blocks3d(
@@ -161,52 +201,19 @@ def _wtconv3d_fwd_kernel(
 
 
 @triton.jit
-def _wtconv3d_level_bwd_kernel(
-    # pointers: the output gradient's low-pass at the level's input [B, C, D, H, W]; weights [C, 8, K**3] and
-    # scales [C, 8]; outputs: the level's sub-band gradient [B, C, 8, Dq, Hq, Wq] and the output gradient's next
-    # low-pass [B, C, Dq, Hq, Wq] (q < low_size: all or none)
-    dsrc_ptr,
-    w_ptr,
-    s_ptr,
-    dz_ptr,
-    dlow_ptr,
-    # sizes
-    B,
-    C,
-    D,
-    H,
-    W,
-    Dq,
-    Hq,
-    Wq,
-    low_size,
-    K: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Backward of one Haar level (2 and deeper): the gradient of its sub-bands; see the 2D kernel."""
-    size = Dq * Hq * Wq
-    c, plane, q, ok = _tile_coords(B, C, size, BLOCK)
-    qz, qy, qx = _grid_coords3d(q, Hq, Wq)
-    dsrc = dsrc_ptr + plane * D * H * W
-    ll, _, _, _, _, _, _, _ = _haar_block3d(dsrc, 2 * qz, 2 * qy, 2 * qx, ok, D, H, W)
-    tl.store(dlow_ptr + plane * size + q, ll * _R3, mask=ok & (q < low_size))
-    e0, e1, e2, e3, e4, e5, e6, e7 = _haar_conv3d(
-        dsrc, w_ptr + c * 8 * K * K * K, s_ptr + c * 8, qz, qy, qx, ok, D, H, W, K, -1
-    )
-    _store_bands3d(dz_ptr + plane * 8 * size + q, size, e0, e1, e2, e3, e4, e5, e6, e7, ok)
-
-
-@triton.jit
 def _wtconv3d_bwd_kernel(
-    # pointers: output gradient and input gradient [B, C, D, H, W]; base weights [C, K**3] and scale [C]; level-1
-    # weights [C, 8, K**3] and scales [C, 8]; the sub-band gradients of levels 2..LEVELS one after the other
+    # pointers: output gradient and input gradient [B, C, D, H, W]; base weights [C, K**3], scale [C] and bias [C];
+    # the level weights and scales (see ``_level3d``); the sub-band gradients of levels 2..LEVELS one after the
+    # other; the weight-gradient partial sums and the parameter gradients (see ``_wgrad_finalize``)
     dy_ptr,
     wb_ptr,
     sb_ptr,
-    w1_ptr,
-    s1_ptr,
+    bias_ptr,
+    params_ptr,
     coarse_ptr,
     dx_ptr,
+    part_ptr,
+    grads_ptr,
     # sizes
     B,
     C,
@@ -216,39 +223,52 @@ def _wtconv3d_bwd_kernel(
     D1,
     H1,
     W1,
+    SPAN,
+    DX_PROGRAMS,
     LEVELS: tl.constexpr,
     K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    TAPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """The input gradient, one 2 x 2 x 2 block per level-1 position; see the 2D kernel."""
-    c, plane, q, ok = _tile_coords(B, C, D1 * H1 * W1, BLOCK)
-    qz, qy, qx = _grid_coords3d(q, H1, W1)
-    dys = dy_ptr + plane * D * H * W
-    e0, e1, e2, e3, e4, e5, e6, e7 = _haar_conv3d(
-        dys, w1_ptr + c * 8 * K * K * K, s1_ptr + c * 8, qz, qy, qx, ok, D, H, W, K, -1
-    )
-    e0 += _coarse_synthesis3d(coarse_ptr, plane, qz, qy, qx, ok, B * C, D, H, W, LEVELS)
-    r0, r1, r2, r3, r4, r5, r6, r7 = _butterfly3d(e0, e1, e2, e3, e4, e5, e6, e7)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _polyphase_conv3d(dys, wb_ptr + c * K * K * K, qz, qy, qx, ok, D, H, W, K, -1)
-    sb = tl.load(sb_ptr + c).to(tl.float32)
-    _store_blocks3d(
-        dx_ptr + plane * D * H * W,
-        sb * a0 + r0 * _R3,
-        sb * a1 + r1 * _R3,
-        sb * a2 + r2 * _R3,
-        sb * a3 + r3 * _R3,
-        sb * a4 + r4 * _R3,
-        sb * a5 + r5 * _R3,
-        sb * a6 + r6 * _R3,
-        sb * a7 + r7 * _R3,
-        qz,
-        qy,
-        qx,
-        ok,
-        D,
-        H,
-        W,
-    )
+    """The input gradient, one 2 x 2 x 2 block per level-1 position, then the parameter gradients; see the 2D
+    kernel."""
+    KKK: tl.constexpr = K * K * K
+    pid = tl.program_id(0)
+    if pid < DX_PROGRAMS:
+        c, plane, q, ok = _tile_coords(pid, B, C, D1 * H1 * W1, BLOCK)
+        qz, qy, qx = _grid_coords3d(q, H1, W1)
+        dys = dy_ptr + plane * D * H * W
+        e0, e1, e2, e3, e4, e5, e6, e7 = _haar_conv3d(
+            dys, params_ptr + c * 8 * KKK, params_ptr + LEVELS * C * 8 * KKK + c * 8, qz, qy, qx, ok, D, H, W, K, -1
+        )
+        e0 += _coarse_synthesis3d(coarse_ptr, plane, qz, qy, qx, ok, B * C, D, H, W, LEVELS)
+        r0, r1, r2, r3, r4, r5, r6, r7 = _butterfly3d(e0, e1, e2, e3, e4, e5, e6, e7)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _polyphase_conv3d(dys, wb_ptr + c * KKK, qz, qy, qx, ok, D, H, W, K, -1)
+        sb = tl.load(sb_ptr + c).to(tl.float32)
+        _store_blocks3d(
+            dx_ptr + plane * D * H * W,
+            sb * a0 + r0 * _R3,
+            sb * a1 + r1 * _R3,
+            sb * a2 + r2 * _R3,
+            sb * a3 + r3 * _R3,
+            sb * a4 + r4 * _R3,
+            sb * a5 + r5 * _R3,
+            sb * a6 + r6 * _R3,
+            sb * a7 + r7 * _R3,
+            qz,
+            qy,
+            qx,
+            ok,
+            D,
+            H,
+            W,
+        )
+    else:
+        _wgrad_finalize(
+            part_ptr, params_ptr, wb_ptr, sb_ptr, bias_ptr, grads_ptr, pid - DX_PROGRAMS, B, C, D, H, W, SPAN, LEVELS,
+            8, KKK, TAPS, HAS_BIAS,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -360,7 +380,7 @@ def _wgrad3d_level(
 @triton.jit
 def _wtconv3d_wgrad_kernel(
     # pointers: the output gradient dy and x [B, C, D, H, W]; the low-passes of levels 1..L-1 of dy and of x, one
-    # after the other; output: partial sums (see ``_wgrad_finalize_kernel``)
+    # after the other; output: partial sums (see ``_wgrad_finalize``)
     dy_ptr,
     x_ptr,
     glow_ptr,
@@ -379,7 +399,8 @@ def _wtconv3d_wgrad_kernel(
     BLOCK: tl.constexpr,
 ):
     """Weight gradients of every level (and of the base conv and bias) in one launch: program = (level, share, z tap,
-    channel), see ``_wgrad_plan``; level 1 reads dy and x, deeper levels the low-pass buffers."""
+    channel), see ``_wgrad_plan``; level 1 reads dy and x, deeper levels the low-pass buffers. (Unlike 2D, the levels'
+    backward is a launch of its own: its registers would halve this kernel's occupancy.)"""
     level, local, row0, off, d_in, h_in, w_in, rows = _wgrad_plan(tl.program_id(0), B, C, C * K, D, H, W, SPAN, LEVELS)
     c = local % C
     tz = local // C % K

@@ -4,8 +4,8 @@ The layer (see ``regkit.features.wtconv``) is computed with three reformulations
 
 1. Haar analysis on chip: a level's sub-bands are recomputed from the previous level's raw low-pass inside the tap
    loop of the level's depthwise convolution and never written. Level 1 reads x itself; the raw low-passes of levels
-   1..L-1 (a quarter, a sixteenth, ... of x in 2D; the first by a small kernel, the others by the level kernels) are
-   kept for the backward pass.
+   1..L-1 (a quarter, a sixteenth, ... of x in 2D; all by one kernel that halves tiles of x in registers) are kept
+   for the backward pass.
 2. Closed-form synthesis: the cascade of inverse transforms collapses to one pass. Pixel y receives, from level j,
    ``2**(-j*ndim/2) * sum_b sign_b(y) * Z_j[b](y >> j)``, the signs given by bit j-1 of y's coordinates. The output
    kernel works on 2 x 2 (x 2) blocks, one per level-1 position: it computes level 1's convolution and the base
@@ -19,11 +19,16 @@ output gradient (its low-passes made like the forward's, its sub-bands on chip);
 adjoint convolution of that, and the input gradient is the adjoint base convolution plus the closed-form synthesis of
 the sub-band gradients, written once. The weight gradients of all levels come from one launch whose tiles span every
 tap of a channel: products of the recomputed sub-bands of the gradient and of the input are accumulated in registers
-over a share of the positions and summed once into a row of partial sums; one more launch adds the rows up and
-writes the gradients of every weight, scale and the bias (deterministic, no atomics).
+over a share of the positions and summed once into a row of partial sums; programs appended to the input gradient's
+launch add the rows up and write the gradients of every weight, scale and the bias (deterministic, no atomics).
 
-Python overhead matters at the small WTConvNeXt stages (their GPU work is a fraction of a millisecond): a forward is
-L + 1 launches and three allocations, a backward L + 4 launches, a handful of allocations and views.
+Launches: a forward pass is three (all low-passes of x, all levels 2..L, the output) and a backward pass three in 2D
+(all low-passes of the output gradient; the levels' sub-band gradients together with the weight-gradient partial sums;
+the input gradient together with the final sums of the parameter gradients; in 3D the levels' backward is a fourth),
+whatever the number of levels (with one level, one launch forward and two backward). The level weights and scales are
+concatenated once per forward (one small copy) so that every kernel finds all levels' parameters behind one pointer.
+Host work matters at the small WTConvNeXt stages (their GPU work is a fraction of a millisecond): sizes, grids and
+tilings are computed once per shape (``_plan``).
 
 Memory besides x, out and their gradients: the low-passes (1/3 of x's elements in 2D, 1/7 in 3D), the processed
 sub-bands of levels 2..L during the forward pass and their gradients during the backward pass (as many again each),
@@ -44,37 +49,34 @@ import triton
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from regkit_kernels.wtconv._tile import _wgrad_finalize_kernel
 from regkit_kernels.wtconv.kernels2d import (
-    _haar_lowpass2d_kernel,
+    _haar_lowpasses2d_kernel,
     _wtconv2d_bwd_kernel,
     _wtconv2d_fwd_kernel,
-    _wtconv2d_level_bwd_kernel,
-    _wtconv2d_level_fwd_kernel,
+    _wtconv2d_levels_kernel,
     _wtconv2d_wgrad_kernel,
 )
 from regkit_kernels.wtconv.kernels3d import (
-    _haar_lowpass3d_kernel,
+    _haar_lowpasses3d_kernel,
     _wtconv3d_bwd_kernel,
     _wtconv3d_fwd_kernel,
-    _wtconv3d_level_bwd_kernel,
-    _wtconv3d_level_fwd_kernel,
+    _wtconv3d_levels_kernel,
     _wtconv3d_wgrad_kernel,
 )
 
 
 @dataclass(frozen=True)
 class _Kernels:
-    lowpass: triton.JITFunction
-    level_fwd: triton.JITFunction
+    lowpasses: triton.JITFunction
+    levels: triton.JITFunction
     fwd: triton.JITFunction
-    level_bwd: triton.JITFunction
-    bwd: triton.JITFunction
-    wgrad: triton.JITFunction
+    wgrad: triton.JITFunction  # the weight-gradient partial sums (and the levels' backward, see wgrad_levels)
+    bwd: triton.JITFunction  # the input gradient and the parameter gradients' final sums
+    wgrad_levels: bool  # the levels' backward runs in the weight-gradient launch (2D; in 3D it would halve the
+    # occupancy of that kernel, whose tiles need far fewer registers than the 3D level convolutions)
     block: int  # positions per program of the convolution kernels
     wgrad_block: int  # positions per step of the weight-gradient kernel (times the in-plane taps)
     wgrad_programs: int  # level-1 weight-gradient programs wanted per multiprocessor (sets the span of a program)
-    wgrad_warps: int
 
 
 # One table picks the 2D or 3D kernels. Block sizes: the best of small sweeps on an H200 (docs/wtconv_notes.md). The
@@ -82,33 +84,32 @@ class _Kernels:
 # waves, so that the last wave's idle multiprocessors cost little.
 _KERNELS = {
     2: _Kernels(
-        _haar_lowpass2d_kernel,
-        _wtconv2d_level_fwd_kernel,
+        _haar_lowpasses2d_kernel,
+        _wtconv2d_levels_kernel,
         _wtconv2d_fwd_kernel,
-        _wtconv2d_level_bwd_kernel,
-        _wtconv2d_bwd_kernel,
         _wtconv2d_wgrad_kernel,
+        _wtconv2d_bwd_kernel,
+        True,
         256,
         16,
         32,
-        4,
     ),
     3: _Kernels(
-        _haar_lowpass3d_kernel,
-        _wtconv3d_level_fwd_kernel,
+        _haar_lowpasses3d_kernel,
+        _wtconv3d_levels_kernel,
         _wtconv3d_fwd_kernel,
-        _wtconv3d_level_bwd_kernel,
-        _wtconv3d_bwd_kernel,
         _wtconv3d_wgrad_kernel,
+        _wtconv3d_bwd_kernel,
+        False,
         256,
         8,
         32,
-        4,
     ),
 }
 _NUM_WARPS = 4
 # Under TRITON_INTERPRET=1 each program costs Python overhead, so CPU runs use one large tile per channel.
 _INTERPRETER_BLOCK = 1 << 14
+_LOWPASS_TILE = 1024  # elements of a low-pass program's tile on the GPU
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -116,25 +117,102 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _level_sizes(size: Sequence[int], levels: int) -> list[tuple[int, ...]]:
-    """Grid sizes of levels 0..levels: each level halves every axis, rounding up."""
-    return [tuple(-(-s // 2**j) for s in size) for j in range(levels + 1)]
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
-def _launch(kernel: triton.JITFunction, x: Tensor, block: int, grid_size: Sequence[int], *args, **consts) -> None:
-    """Launch a convolution kernel over every (batch item, position of ``grid_size``) of every channel of ``x``."""
-    if x.device.type == "cpu":
-        block = min(_INTERPRETER_BLOCK, _pow2(x.shape[0] * math.prod(grid_size)))
-    chunks = -(-x.shape[0] * math.prod(grid_size) // block)
-    kernel[(chunks * x.shape[1],)](*args, BLOCK=block, num_warps=_NUM_WARPS, **consts)
+def _side(n: int, unit: int, cap: int) -> int:
+    """The power-of-2 multiple of ``unit``, at most ``cap`` (or ``unit``), that covers ``n`` with the least padding
+    (the larger on ties)."""
+    best = side = unit
+    while side * 2 <= cap:
+        side *= 2
+        if _cdiv(n, side) * side <= _cdiv(n, best) * best:
+            best = side
+    return best
 
 
-def _offsets(x: Tensor, sizes: Sequence[Sequence[int]], per_position: int) -> list[int]:
-    """Element offsets of consecutive ``[B, C, per_position, *size]`` tensors in one buffer, then the total."""
-    planes, offsets = x.shape[0] * x.shape[1] * per_position, [0]
-    for size in sizes:
-        offsets.append(offsets[-1] + planes * math.prod(size))
-    return offsets
+@dataclass(frozen=True)
+class _Plan:
+    """Everything about a launch sequence that depends only on x's shape, the number of levels and the device."""
+
+    sizes: list[tuple[int, ...]]  # grid sizes of levels 0..L (each halves every axis, rounding up)
+    low_numel: int  # elements of the low-passes of levels 1..L-1, one after the other
+    coarse_numel: int  # elements of the sub-bands of levels 2..L, one after the other
+    lowpass_grid: int
+    lowpass_tile: dict[str, int]  # NP, (TZ,) TY, TX of the low-pass kernel
+    level_block: int
+    level_programs: int  # programs of levels 2..L
+    block: int
+    dx_programs: int  # programs of the output and input-gradient kernels
+    wgrad_block: int
+    span: int  # (batch item, position) pairs per weight-gradient program
+    wgrad_programs: int
+    part_numel: int  # weight-gradient partial sums
+    grads_numel: int  # parameter gradients
+
+
+@functools.cache
+def _multiprocessors(device: int | None) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _wgrad_tiling(kern: _Kernels, positions: int, per_share: int, device: torch.device) -> tuple[int, int]:
+    """Block (positions per step) and span ((batch item, position) pairs per program, a power-of-2 multiple of the
+    block) of the weight-gradient kernel, given level 1's pairs per channel and the programs per share: the span gives
+    level 1 at least ``kern.wgrad_programs`` programs per multiprocessor. On the CPU, one block and one program per
+    level and channel."""
+    if device.type != "cuda":
+        return _pow2(positions), _pow2(positions)
+    wanted = kern.wgrad_programs * _multiprocessors(device.index)
+    return kern.wgrad_block, max(kern.wgrad_block, 1 << max(positions * per_share // wanted, 1).bit_length() - 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(shape: tuple[int, ...], levels: int, k: int, device: torch.device) -> _Plan:
+    """The launch plan of the fused layer on x of ``shape`` (see :class:`_Plan`); on the CPU (the interpreter), few
+    large tiles."""
+    ndim, (batch, channels), kern = len(shape) - 2, shape[:2], _KERNELS[len(shape) - 2]
+    cuda, nb, taps = device.type == "cuda", 2**ndim, k**ndim
+    sizes = [tuple(-(-s // 2**j) for s in shape[2:]) for j in range(levels + 1)]
+    planes = batch * channels
+    counts = [math.prod(s) for s in sizes]  # positions per plane, by level
+
+    unit, budget = 2 ** (levels - 1), _LOWPASS_TILE if cuda else _INTERPRETER_BLOCK
+    sides: list[int] = []
+    for n in reversed(sizes[0]):  # x, y(, z): each side takes what the tile budget leaves
+        sides.insert(0, _side(n, unit, max(unit, min(64 if cuda else budget, budget // math.prod(sides)))))
+    np_ = min(max(1, budget // math.prod(sides)), _pow2(planes))
+    lowpass_grid = _cdiv(planes, np_) * math.prod(_cdiv(n, t) for n, t in zip(sizes[0], sides, strict=True))
+    tile = {"NP": np_, **dict(zip(("TZ", "TY", "TX")[3 - ndim :], sides, strict=True))}
+
+    def block_for(positions: int) -> int:
+        return kern.block if cuda else min(_INTERPRETER_BLOCK, _pow2(positions))
+
+    level_block = block_for(batch * counts[2]) if levels > 1 else 1
+    level_programs = sum(channels * _cdiv(batch * counts[j], level_block) for j in range(2, levels + 1))
+    block = block_for(batch * counts[1])
+
+    positions = [batch * n for n in counts[1:]]  # (batch item, position) pairs per channel and level
+    per_share = channels * (k if ndim == 3 else 1)  # programs per share
+    wgrad_block, span = _wgrad_tiling(kern, positions[0], per_share, device)
+    rows = [_cdiv(n, span) for n in positions]
+    return _Plan(
+        sizes=sizes,
+        low_numel=planes * sum(counts[1:levels]),
+        coarse_numel=planes * nb * sum(counts[2:]),
+        lowpass_grid=lowpass_grid,
+        lowpass_tile=tile,
+        level_block=level_block,
+        level_programs=level_programs,
+        block=block,
+        dx_programs=channels * _cdiv(positions[0], block),
+        wgrad_block=wgrad_block,
+        span=span,
+        wgrad_programs=sum(rows) * per_share,
+        part_numel=(sum(rows) * nb + rows[0]) * channels * taps + rows[0] * channels,
+        grads_numel=levels * channels * nb * (taps + 1) + channels * (taps + 2),
+    )
 
 
 def _check(x: Tensor) -> None:
@@ -146,111 +224,88 @@ def _check(x: Tensor) -> None:
         raise ValueError("the fused WTConv needs CUDA tensors (or TRITON_INTERPRET=1 with CPU tensors)")
 
 
-def _pyramid(
-    kern: _Kernels, level_kernel: triton.JITFunction, src: Tensor, weights: Sequence[Tensor],
-    scales: Sequence[Tensor], sizes: list[tuple[int, ...]], k: int,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Levels 2..L of the forward (``level_kernel`` = level_fwd, ``src`` = x) or of the backward (level_bwd, dy):
-    returns the float32 low-passes of levels 1..L-1 of ``src``, one buffer, and the sub-bands of levels 2..L (processed,
-    or their gradients), another."""
-    levels = len(sizes) - 1
-    batch, channels = src.shape[:2]
-    lows = _offsets(src, sizes[1:levels], 1)
-    coarse = _offsets(src, sizes[2:], 2 ** (src.dim() - 2))
-    low = src.new_empty(lows[-1], dtype=torch.float32)
-    bands = src.new_empty(coarse[-1], dtype=torch.float32)
+def level_params(weights: Sequence[Tensor], scales: Sequence[Tensor]) -> Tensor:
+    """The level weights ``[L, C * 2**ndim, k**ndim]`` then the level scales ``[L, C * 2**ndim]``, one flat tensor:
+    the layout in which the kernels read every level's parameters (a copy, one small launch)."""
+    return torch.cat([*(w.reshape(-1) for w in weights), *(s.reshape(-1) for s in scales)])
+
+
+def _lowpasses(kern: _Kernels, plan: _Plan, src: Tensor, levels: int) -> Tensor:
+    """The float32 raw low-passes of levels 1..L-1 of ``src`` (x or the output gradient), one buffer."""
+    low = src.new_empty(plan.low_numel, dtype=torch.float32)
     if levels > 1:
-        _launch(kern.lowpass, src, kern.block, sizes[1], src, low, batch, channels, *sizes[0], *sizes[1])
-    for j in range(2, levels + 1):  # level j also writes the low-pass that level j + 1 reads
-        _launch(
-            level_kernel, src, kern.block, sizes[j], low[lows[j - 2] :], weights[j - 1], scales[j - 1],
-            bands[coarse[j - 2] :], low[lows[j - 1] :] if j < levels else low, batch, channels, *sizes[j - 1],
-            *sizes[j], math.prod(sizes[j]) * (j < levels), K=k,
+        kern.lowpasses[(plan.lowpass_grid,)](
+            src, low, src.shape[0] * src.shape[1], *src.shape[2:], LEVELS=levels, num_warps=_NUM_WARPS,
+            **plan.lowpass_tile,
         )  # fmt: skip
-    return low, bands
+    return low
 
 
 def wtconv_fwd(
-    x: Tensor, base_weight: Tensor, base_bias: Tensor | None, base_scale: Tensor, weights: Sequence[Tensor],
-    scales: Sequence[Tensor],
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    x: Tensor, base_weight: Tensor, base_bias: Tensor | None, base_scale: Tensor, params: Tensor, levels: int
+) -> tuple[Tensor, Tensor]:
     """Forward pass on the layer's parameters (contiguous, any float dtype).
 
     Args:
         x: ``(B, C, *S)``, contiguous.
         base_weight: ``(C, 1, *[k] * ndim)``; ``base_bias``: ``(C,)`` or None; ``base_scale``: C elements.
-        weights, scales: per level, ``(C * 2**ndim, 1, *[k] * ndim)`` kernels and ``C * 2**ndim`` scales.
+        params: every level's weights and scales, from :func:`level_params`; ``levels``: their number L.
 
     Returns the output and the float32 raw low-passes of levels 1..L-1, one buffer (kept for :func:`wtconv_bwd`).
     """
     _check(x)
-    ndim, (batch, channels), levels = x.dim() - 2, x.shape[:2], len(weights)
-    kern, k = _KERNELS[ndim], base_weight.shape[-1]
-    sizes = _level_sizes(x.shape[2:], levels)
-    low, coarse = _pyramid(kern, kern.level_fwd, x, weights, scales, sizes, k)
+    (batch, channels), k = x.shape[:2], base_weight.shape[-1]
+    kern, plan = _KERNELS[x.dim() - 2], _plan(x.shape, levels, k, x.device)
+    low = _lowpasses(kern, plan, x, levels)
+    coarse = x.new_empty(plan.coarse_numel, dtype=torch.float32)
+    if levels > 1:
+        kern.levels[(plan.level_programs,)](
+            low, params, coarse, batch, channels, *x.shape[2:], LEVELS=levels, K=k, DIR=1, BLOCK=plan.level_block,
+            num_warps=_NUM_WARPS,
+        )  # fmt: skip
     out = torch.empty_like(x)
-    bias = base_scale if base_bias is None else base_bias
-    _launch(
-        kern.fwd, x, kern.block, sizes[1], x, base_weight, bias, base_scale, weights[0], scales[0], coarse, out,
-        batch, channels, *sizes[0], *sizes[1], LEVELS=levels, K=k, HAS_BIAS=base_bias is not None,
+    kern.fwd[(plan.dx_programs,)](
+        x, base_weight, base_scale if base_bias is None else base_bias, base_scale, params, coarse, out, batch,
+        channels, *plan.sizes[0], *plan.sizes[1], LEVELS=levels, K=k, HAS_BIAS=base_bias is not None,
+        BLOCK=plan.block, num_warps=_NUM_WARPS,
     )  # fmt: skip
     return out, low
 
 
-@functools.cache
-def _multiprocessors(device: int | None) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _wgrad_tiling(x: Tensor, kern: _Kernels, positions: int, programs_per_share: int) -> tuple[int, int]:
-    """Block (positions per step) and span ((batch item, position) pairs per program, a power-of-2 multiple of the
-    block) of the weight-gradient kernel: the span gives level 1 at least ``kern.wgrad_programs`` programs per
-    multiprocessor. On the CPU, one block and one program per level and channel."""
-    if x.device.type != "cuda":
-        return _pow2(positions), _pow2(positions)
-    wanted = kern.wgrad_programs * _multiprocessors(x.device.index)
-    span = positions * programs_per_share // wanted
-    return kern.wgrad_block, max(kern.wgrad_block, 1 << max(span, 1).bit_length() - 1)
-
-
 def wtconv_bwd(
     grad_out: Tensor, x: Tensor, low: Tensor, base_weight: Tensor, base_bias: Tensor | None, base_scale: Tensor,
-    weights: Sequence[Tensor], scales: Sequence[Tensor],
+    params: Tensor, levels: int,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Backward pass of :func:`wtconv_fwd` (``low`` is its second result). Returns the gradient of x and, in one
     float32 buffer, those of the parameters: level weights ``[L, C * 2**ndim, k**ndim]``, level scales
     ``[L, C * 2**ndim]``, base weights ``[C, k**ndim]``, base scale ``[C]`` and bias ``[C]``, one after the other."""
-    ndim, (batch, channels), levels = x.dim() - 2, x.shape[:2], len(weights)
-    kern, k = _KERNELS[ndim], base_weight.shape[-1]
-    sizes = _level_sizes(x.shape[2:], levels)
-    glow, coarse = _pyramid(kern, kern.level_bwd, grad_out, weights, scales, sizes, k)
-
-    # Weight gradients (before the input gradient, so that the gradient's low-passes are freed first).
-    nb, taps = 2**ndim, k**ndim
-    positions = [batch * math.prod(s) for s in sizes[1:]]  # (batch item, position) pairs per channel and level
-    programs_per_share = channels * (k if ndim == 3 else 1)
-    block, span = _wgrad_tiling(x, kern, positions[0], programs_per_share)
-    rows = [-(-n // span) for n in positions]
-    part = x.new_empty((sum(rows) * nb + rows[0]) * channels * taps + rows[0] * channels, dtype=torch.float32)
-    programs = sum(rows) * programs_per_share
-    kern.wgrad[(programs,)](
-        grad_out, x, glow, low, part, batch, channels, *x.shape[2:], span, LEVELS=levels, K=k,
-        TAPS=_pow2(k * k), BLOCK=block, num_warps=kern.wgrad_warps,
-    )  # fmt: skip
-    del glow
-    grads = torch.empty(levels * channels * nb * (taps + 1) + channels * (taps + 2), device=x.device)
-    bias = base_scale if base_bias is None else base_bias
-    _wgrad_finalize_kernel[(channels, levels + 1)](
-        part, torch.stack(list(weights)), torch.stack(list(scales)), base_weight, base_scale, bias, grads, batch,
-        channels,
-        *((1,) * (3 - ndim)), *x.shape[2:], span, LEVELS=levels, NB=nb, KT=taps, TAPS=_pow2(taps),
-        HAS_BIAS=base_bias is not None, num_warps=_NUM_WARPS,
-    )  # fmt: skip
-
+    ndim, (batch, channels), k = x.dim() - 2, x.shape[:2], base_weight.shape[-1]
+    kern, plan = _KERNELS[ndim], _plan(x.shape, levels, k, x.device)
+    glow = _lowpasses(kern, plan, grad_out, levels)
+    coarse = x.new_empty(plan.coarse_numel, dtype=torch.float32)
+    part = x.new_empty(plan.part_numel, dtype=torch.float32)
+    consts = {"LEVELS": levels, "K": k, "TAPS": _pow2(k * k), "BLOCK": plan.wgrad_block, "num_warps": _NUM_WARPS}
+    if kern.wgrad_levels:
+        kern.wgrad[(plan.level_programs + plan.wgrad_programs,)](
+            grad_out, x, glow, low, params, coarse, part, batch, channels, *x.shape[2:], plan.span,
+            plan.level_programs, LEVEL_BLOCK=plan.level_block, **consts,
+        )  # fmt: skip
+    else:
+        if levels > 1:
+            kern.levels[(plan.level_programs,)](
+                glow, params, coarse, batch, channels, *x.shape[2:], LEVELS=levels, K=k, DIR=-1,
+                BLOCK=plan.level_block, num_warps=_NUM_WARPS,
+            )  # fmt: skip
+        kern.wgrad[(plan.wgrad_programs,)](
+            grad_out, x, glow, low, part, batch, channels, *x.shape[2:], plan.span, **consts
+        )  # fmt: skip
+    del glow  # freed before the input gradient is allocated
+    grads = x.new_empty(plan.grads_numel, dtype=torch.float32)
     grad_x = torch.empty_like(x)
-    _launch(
-        kern.bwd, x, kern.block, sizes[1], grad_out, base_weight, base_scale, weights[0], scales[0], coarse, grad_x,
-        batch, channels, *sizes[0], *sizes[1], LEVELS=levels, K=k,
+    kern.bwd[(plan.dx_programs + channels * (levels + 1),)](
+        grad_out, base_weight, base_scale, base_scale if base_bias is None else base_bias, params, coarse, grad_x,
+        part, grads, batch, channels, *plan.sizes[0], *plan.sizes[1], plan.span, plan.dx_programs, LEVELS=levels,
+        K=k, HAS_BIAS=base_bias is not None, TAPS=_pow2(k**ndim), BLOCK=plan.block, num_warps=_NUM_WARPS,
     )  # fmt: skip
     return grad_x, grads
 
@@ -261,30 +316,32 @@ class WTConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, base_weight: Tensor, base_bias: Tensor | None, base_scale: Tensor, *levels: Tensor):
         num = len(levels) // 2
-        out, low = wtconv_fwd(x, base_weight, base_bias, base_scale, levels[:num], levels[num:])
-        ctx.save_for_backward(x, low, base_weight, base_bias, base_scale, *levels)
+        params = level_params(levels[:num], levels[num:])
+        out, low = wtconv_fwd(x, base_weight, base_bias, base_scale, params, num)
+        ctx.save_for_backward(x, low, params, base_weight, base_bias, base_scale)
+        ctx.level_shapes = levels[0].shape, levels[num].shape
+        ctx.dtypes = tuple(None if p is None else p.dtype for p in (base_weight, base_bias, base_scale, *levels))
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
-        x, low, base_weight, base_bias, base_scale, *levels = ctx.saved_tensors
-        num = len(levels) // 2
-        weights, scales = levels[:num], levels[num:]
-        grad_x, grads = wtconv_bwd(grad_out.contiguous(), x, low, base_weight, base_bias, base_scale, weights, scales)
+        x, low, params, base_weight, base_bias, base_scale = ctx.saved_tensors
+        (w_shape, s_shape), num, channels = ctx.level_shapes, len(ctx.dtypes) // 2 - 1, base_weight.shape[0]
+        grad_x, grads = wtconv_bwd(grad_out.contiguous(), x, low, base_weight, base_bias, base_scale, params, num)
         # Views of the one gradient buffer, in the parameters' shapes (and dtypes).
-        n_w, n_s, channels = weights[0].numel(), scales[0].numel(), base_weight.shape[0]
-        n_b = base_weight.numel()
-        ends = [num * n_w, num * (n_w + n_s), num * (n_w + n_s) + n_b, num * (n_w + n_s) + n_b + channels]
-        grad_w = grads[: ends[0]].view(num, *weights[0].shape).unbind(0)
-        grad_s = grads[ends[0] : ends[1]].view(num, *scales[0].shape).unbind(0)
-        grad_base = grads[ends[1] : ends[2]].view(base_weight.shape)
-        grad_base_s = grads[ends[2] : ends[3]].view(base_scale.shape)
-        grad_bias = None if base_bias is None else grads[ends[3] :]
-        params = (base_weight, base_bias, base_scale, *levels)
-        results = (grad_base, grad_bias, grad_base_s, *grad_w, *grad_s)
+        flat = grads.split(
+            [w_shape.numel()] * num + [s_shape.numel()] * num + [base_weight.numel(), channels, channels]
+        )
+        results = (
+            flat[-3].view(base_weight.shape),
+            None if base_bias is None else flat[-1],
+            flat[-2].view(base_scale.shape),
+            *(g.view(w_shape) for g in flat[:num]),
+            *(g.view(s_shape) for g in flat[num : 2 * num]),
+        )
         return grad_x, *(
-            g if g is None or g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(results, params, strict=True)
+            g if g is None or g.dtype == dtype else g.to(dtype) for g, dtype in zip(results, ctx.dtypes, strict=True)
         )
 
 
@@ -298,10 +355,5 @@ def wtconv_fused(
 ) -> Tensor:
     """The WTConv layer with the fused kernels; same arguments and result as ``regkit.features.wtconv_reference``."""
     return WTConvFunction.apply(
-        x.contiguous(),
-        base_weight.contiguous(),
-        base_bias,
-        base_scale,
-        *(w.contiguous() for w in wavelet_weights),
-        *wavelet_scales,
+        x.contiguous(), base_weight.contiguous(), base_bias, base_scale, *wavelet_weights, *wavelet_scales
     )
