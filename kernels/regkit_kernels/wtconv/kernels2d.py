@@ -36,7 +36,7 @@ def _store_bands2d(ptrs, size, e0, e1, e2, e3, ok):
 
 @triton.jit
 def _haar_lowpasses2d_kernel(
-    # pointers: a plane stack [P, H, W] and its raw Haar low-passes of levels 1..LEVELS-1, one after the other
+    # pointers: a plane stack [P, H, W] and its raw Haar low-passes of levels 1..DEPTH, one after the other
     # ([P, ceil(H / 2**j), ceil(W / 2**j)] each)
     src_ptr,
     low_ptr,
@@ -44,14 +44,14 @@ def _haar_lowpasses2d_kernel(
     P,
     H,
     W,
-    LEVELS: tl.constexpr,
+    DEPTH: tl.constexpr,
     NP: tl.constexpr,
     TY: tl.constexpr,
     TX: tl.constexpr,
 ):
-    """The orthonormal Haar low-passes (LL) of levels 1..LEVELS-1 in one pass, zero-padded on the far side of odd
-    sizes: a program loads a tile of NP planes x TY x TX pixels (TY and TX multiples of 2**(LEVELS-1)) and halves it
-    LEVELS-1 times in registers, storing each level's part."""
+    """The orthonormal Haar low-passes (LL) of levels 1..DEPTH of a plane stack in one pass, zero-padded on the far
+    side of odd sizes: a program loads a tile of NP planes x TY x TX pixels (TY and TX multiples of 2**DEPTH) and
+    halves it DEPTH times in registers, storing each level's part."""
     pid = tl.program_id(0)
     tiles_x = tl.cdiv(W, TX)
     tiles = tl.cdiv(H, TY) * tiles_x
@@ -67,7 +67,7 @@ def _haar_lowpasses2d_kernel(
     offset = tl.cast(0, tl.int64)
     h = H
     w = W
-    for j in tl.static_range(1, LEVELS):  # level j's tile: NP x (TY >> j) x (TX >> j)
+    for j in tl.static_range(1, DEPTH + 1):  # level j's tile: NP x (TY >> j) x (TX >> j)
         v = tl.sum(tl.reshape(v, [NP * (TY >> j), 2, TX >> (j - 1)]), axis=1)  # row pairs (they stay in a plane)
         v = 0.5 * tl.sum(tl.reshape(v, [NP * (TY >> j), TX >> j, 2]), axis=2)  # column pairs
         h = (h + 1) // 2

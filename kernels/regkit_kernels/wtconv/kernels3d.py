@@ -46,7 +46,7 @@ def _store_bands3d(ptrs, size, e0, e1, e2, e3, e4, e5, e6, e7, ok):
 
 @triton.jit
 def _haar_lowpasses3d_kernel(
-    # pointers: a volume stack [P, D, H, W] and its raw Haar low-passes of levels 1..LEVELS-1, one after the other
+    # pointers: a volume stack [P, D, H, W] and its raw Haar low-passes of levels 1..DEPTH, one after the other
     src_ptr,
     low_ptr,
     # sizes
@@ -54,15 +54,15 @@ def _haar_lowpasses3d_kernel(
     D,
     H,
     W,
-    LEVELS: tl.constexpr,
+    DEPTH: tl.constexpr,
     NP: tl.constexpr,
     TZ: tl.constexpr,
     TY: tl.constexpr,
     TX: tl.constexpr,
 ):
-    """The orthonormal Haar low-passes (LLL) of levels 1..LEVELS-1 in one pass, zero-padded on the far side of odd
-    sizes; a program halves a tile of NP volumes x TZ x TY x TX voxels (multiples of 2**(LEVELS-1)) in registers, as
-    in the 2D kernel (rows of the tile are (volume, z, y), flattened)."""
+    """The orthonormal Haar low-passes (LLL) of levels 1..DEPTH of a volume stack in one pass, zero-padded on the far
+    side of odd sizes; a program halves a tile of NP volumes x TZ x TY x TX voxels (multiples of 2**DEPTH) in
+    registers, as in the 2D kernel (rows of the tile are (volume, z, y), flattened)."""
     pid = tl.program_id(0)
     tiles_x = tl.cdiv(W, TX)
     tiles_y = tl.cdiv(H, TY)
@@ -82,7 +82,7 @@ def _haar_lowpasses3d_kernel(
     d = D
     h = H
     w = W
-    for j in tl.static_range(1, LEVELS):  # level j's tile: NP x (TZ >> j) x (TY >> j) x (TX >> j)
+    for j in tl.static_range(1, DEPTH + 1):  # level j's tile: NP x (TZ >> j) x (TY >> j) x (TX >> j)
         v = tl.sum(tl.reshape(v, [NP * (TZ >> j), 2, (TY >> (j - 1)) * (TX >> (j - 1))]), axis=1)  # z pairs
         v = tl.sum(tl.reshape(v, [NP * (TZ >> j) * (TY >> j), 2, TX >> (j - 1)]), axis=1)  # row pairs
         v = _R3 * tl.sum(tl.reshape(v, [NP * (TZ >> j) * (TY >> j), TX >> j, 2]), axis=2)  # column pairs

@@ -4,8 +4,8 @@ The layer (see ``regkit.features.wtconv``) is computed with three reformulations
 
 1. Haar analysis on chip: a level's sub-bands are recomputed from the previous level's raw low-pass inside the tap
    loop of the level's depthwise convolution and never written. Level 1 reads x itself; the raw low-passes of levels
-   1..L-1 (a quarter, a sixteenth, ... of x in 2D; all by one kernel that halves tiles of x in registers) are kept
-   for the backward pass.
+   1..L-1 (a quarter, a sixteenth, ... of x in 2D; by a kernel that halves tiles in registers, a few levels per
+   launch) are kept for the backward pass.
 2. Closed-form synthesis: the cascade of inverse transforms collapses to one pass. Pixel y receives, from level j,
    ``2**(-j*ndim/2) * sum_b sign_b(y) * Z_j[b](y >> j)``, the signs given by bit j-1 of y's coordinates. The output
    kernel works on 2 x 2 (x 2) blocks, one per level-1 position: it computes level 1's convolution and the base
@@ -22,7 +22,7 @@ tap of a channel: products of the recomputed sub-bands of the gradient and of th
 over a share of the positions and summed once into a row of partial sums; programs appended to the input gradient's
 launch add the rows up and write the gradients of every weight, scale and the bias (deterministic, no atomics).
 
-Launches: a forward pass is three (all low-passes of x, all levels 2..L, the output) and a backward pass three in 2D
+Launches: a forward pass is three (the low-passes of x, all levels 2..L, the output) and a backward pass three in 2D
 (all low-passes of the output gradient; the levels' sub-band gradients together with the weight-gradient partial sums;
 the input gradient together with the final sums of the parameter gradients; in 3D the levels' backward is a fourth),
 whatever the number of levels (with one level, one launch forward and two backward). The level weights and scales are
@@ -110,6 +110,9 @@ _NUM_WARPS = 4
 # Under TRITON_INTERPRET=1 each program costs Python overhead, so CPU runs use one large tile per channel.
 _INTERPRETER_BLOCK = 1 << 14
 _LOWPASS_TILE = 1024  # elements of a low-pass program's tile on the GPU
+# Low-pass levels per launch (the first launch reads x, the next the deepest low-pass it wrote, ...): a tile halved in
+# registers more often needs more barriers and layout shuffles per program.
+_LOWPASS_DEPTH = 2
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -139,8 +142,7 @@ class _Plan:
     sizes: list[tuple[int, ...]]  # grid sizes of levels 0..L (each halves every axis, rounding up)
     low_numel: int  # elements of the low-passes of levels 1..L-1, one after the other
     coarse_numel: int  # elements of the sub-bands of levels 2..L, one after the other
-    lowpass_grid: int
-    lowpass_tile: dict[str, int]  # NP, (TZ,) TY, TX of the low-pass kernel
+    lowpass_steps: list[_LowpassStep]
     level_block: int
     level_programs: int  # programs of levels 2..L
     block: int
@@ -150,6 +152,19 @@ class _Plan:
     wgrad_programs: int
     part_numel: int  # weight-gradient partial sums
     grads_numel: int  # parameter gradients
+
+
+@dataclass(frozen=True)
+class _LowpassStep:
+    """One launch of the low-pass kernel: levels ``first + 1 .. first + depth`` from level ``first``'s low-pass (x's
+    when ``first`` is 0), read at ``src_offset`` of the low-pass buffer and written from ``dst_offset`` on."""
+
+    first: int
+    depth: int
+    src_offset: int
+    dst_offset: int
+    grid: int
+    tile: dict[str, int]  # NP, (TZ,) TY, TX
 
 
 @functools.cache
@@ -178,13 +193,17 @@ def _plan(shape: tuple[int, ...], levels: int, k: int, device: torch.device) -> 
     planes = batch * channels
     counts = [math.prod(s) for s in sizes]  # positions per plane, by level
 
-    unit, budget = 2 ** (levels - 1), _LOWPASS_TILE if cuda else _INTERPRETER_BLOCK
-    sides: list[int] = []
-    for n in reversed(sizes[0]):  # x, y(, z): each side takes what the tile budget leaves
-        sides.insert(0, _side(n, unit, max(unit, min(64 if cuda else budget, budget // math.prod(sides)))))
-    np_ = min(max(1, budget // math.prod(sides)), _pow2(planes))
-    lowpass_grid = _cdiv(planes, np_) * math.prod(_cdiv(n, t) for n, t in zip(sizes[0], sides, strict=True))
-    tile = {"NP": np_, **dict(zip(("TZ", "TY", "TX")[3 - ndim :], sides, strict=True))}
+    budget, steps, offsets = _LOWPASS_TILE if cuda else _INTERPRETER_BLOCK, [], [0]
+    for j in range(1, levels):  # element offsets of the low-passes of levels 1..L-1 in their buffer
+        offsets.append(offsets[-1] + planes * counts[j])
+    for first in range(0, levels - 1, _LOWPASS_DEPTH):
+        depth, unit, sides = min(_LOWPASS_DEPTH, levels - 1 - first), 2 ** min(_LOWPASS_DEPTH, levels - 1 - first), []
+        for n in reversed(sizes[first]):  # x, y(, z): each side takes what the tile budget leaves
+            sides.insert(0, _side(n, unit, max(unit, min(64 if cuda else budget, budget // math.prod(sides)))))
+        np_ = min(max(1, budget // math.prod(sides)), _pow2(planes))
+        grid = _cdiv(planes, np_) * math.prod(_cdiv(n, t) for n, t in zip(sizes[first], sides, strict=True))
+        tile = {"NP": np_, **dict(zip(("TZ", "TY", "TX")[3 - ndim :], sides, strict=True))}
+        steps.append(_LowpassStep(first, depth, offsets[first - 1] if first else 0, offsets[first], grid, tile))
 
     def block_for(positions: int) -> int:
         return kern.block if cuda else min(_INTERPRETER_BLOCK, _pow2(positions))
@@ -199,10 +218,9 @@ def _plan(shape: tuple[int, ...], levels: int, k: int, device: torch.device) -> 
     rows = [_cdiv(n, span) for n in positions]
     return _Plan(
         sizes=sizes,
-        low_numel=planes * sum(counts[1:levels]),
+        low_numel=offsets[-1],
         coarse_numel=planes * nb * sum(counts[2:]),
-        lowpass_grid=lowpass_grid,
-        lowpass_tile=tile,
+        lowpass_steps=steps,
         level_block=level_block,
         level_programs=level_programs,
         block=block,
@@ -230,13 +248,13 @@ def level_params(weights: Sequence[Tensor], scales: Sequence[Tensor]) -> Tensor:
     return torch.cat([*(w.reshape(-1) for w in weights), *(s.reshape(-1) for s in scales)])
 
 
-def _lowpasses(kern: _Kernels, plan: _Plan, src: Tensor, levels: int) -> Tensor:
+def _lowpasses(kern: _Kernels, plan: _Plan, src: Tensor) -> Tensor:
     """The float32 raw low-passes of levels 1..L-1 of ``src`` (x or the output gradient), one buffer."""
     low = src.new_empty(plan.low_numel, dtype=torch.float32)
-    if levels > 1:
-        kern.lowpasses[(plan.lowpass_grid,)](
-            src, low, src.shape[0] * src.shape[1], *src.shape[2:], LEVELS=levels, num_warps=_NUM_WARPS,
-            **plan.lowpass_tile,
+    for step in plan.lowpass_steps:
+        kern.lowpasses[(step.grid,)](
+            low[step.src_offset :] if step.first else src, low[step.dst_offset :] if step.first else low,
+            src.shape[0] * src.shape[1], *plan.sizes[step.first], DEPTH=step.depth, num_warps=_NUM_WARPS, **step.tile,
         )  # fmt: skip
     return low
 
@@ -256,7 +274,7 @@ def wtconv_fwd(
     _check(x)
     (batch, channels), k = x.shape[:2], base_weight.shape[-1]
     kern, plan = _KERNELS[x.dim() - 2], _plan(x.shape, levels, k, x.device)
-    low = _lowpasses(kern, plan, x, levels)
+    low = _lowpasses(kern, plan, x)
     coarse = x.new_empty(plan.coarse_numel, dtype=torch.float32)
     if levels > 1:
         kern.levels[(plan.level_programs,)](
@@ -281,7 +299,7 @@ def wtconv_bwd(
     ``[L, C * 2**ndim]``, base weights ``[C, k**ndim]``, base scale ``[C]`` and bias ``[C]``, one after the other."""
     ndim, (batch, channels), k = x.dim() - 2, x.shape[:2], base_weight.shape[-1]
     kern, plan = _KERNELS[ndim], _plan(x.shape, levels, k, x.device)
-    glow = _lowpasses(kern, plan, grad_out, levels)
+    glow = _lowpasses(kern, plan, grad_out)
     coarse = x.new_empty(plan.coarse_numel, dtype=torch.float32)
     part = x.new_empty(plan.part_numel, dtype=torch.float32)
     consts = {"LEVELS": levels, "K": k, "TAPS": _pow2(k * k), "BLOCK": plan.wgrad_block, "num_warps": _NUM_WARPS}
