@@ -185,6 +185,21 @@ class FeaturesSimilarity(_Model):
         description="Weights file of the feature network; null: the weights shipped with regkit. "
         "A relative path is resolved against the folder of the YAML file that sets it.",
     )
+    lncc_weight: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="Weight of a local NCC term of the images themselves, added to the feature distance: the "
+        "features carry the anatomy across contrasts, the intensities its voxel-scale detail where the contrasts "
+        "are related (0: features alone).",
+    )
+    lncc_window: int = Field(default=9, ge=3, description="Window of that local NCC term in voxels; odd.")
+
+    @field_validator("lncc_window")
+    @classmethod
+    def _odd(cls, window: int) -> int:
+        if window % 2 == 0:
+            raise _invalid(f"must be odd (got {window})")
+        return window
 
     @field_validator("weights")
     @classmethod

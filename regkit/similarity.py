@@ -432,6 +432,9 @@ class FeatureSimilarity(Similarity):
             :meth:`loss_at_points` (linear interpolation, re-normalised; zero outside the moving image), which is
             much cheaper per iteration. :meth:`forward`, which receives an already warped image, is the same in both.
         weights: a weights file (``regkit train-features``); None: the weights shipped for the images' dimension.
+        lncc_weight: adds ``lncc_weight`` times the ``lncc`` loss of the images themselves (window ``lncc_window``)
+            to the feature distance; 0: features alone. The features carry the anatomy across contrasts, the local
+            NCC the voxel-scale detail wherever the two contrasts are locally affine (its ``cc^2`` ignores the sign).
 
     Each channel of the images is an image of its own. The features of the fixed image are computed once per pyramid
     level: they are kept for the fixed tensor last seen (a registration passes the same tensor at every iteration of a
@@ -440,12 +443,22 @@ class FeatureSimilarity(Similarity):
     kernels for CUDA float32, reference layers otherwise).
     """
 
-    def __init__(self, mode: str = "warp_image", weights: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        mode: str = "warp_image",
+        weights: str | Path | None = None,
+        lncc_weight: float = 0.0,
+        lncc_window: int = 9,
+    ) -> None:
         super().__init__()
         if mode not in ("warp_image", "warp_features"):
             raise ConfigError(f"features mode must be 'warp_image' or 'warp_features', got {mode!r}")
+        if lncc_weight < 0:
+            raise ConfigError(f"features lncc_weight must be at least 0, got {lncc_weight}")
         self.mode = mode
         self.weights = None if weights is None else Path(weights)
+        self.lncc_weight = lncc_weight
+        self.lncc = LocalNormalizedCrossCorrelation(lncc_window)
         self._networks: dict[tuple[int, torch.device, torch.dtype], FeatureNetwork] = {}
         self._cache: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
@@ -483,7 +496,8 @@ class FeatureSimilarity(Similarity):
         return 1.0 - _masked_mean(cosine, weights).mean()
 
     def _loss(self, fixed: torch.Tensor, warped: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self._compare(fixed, self.features(warped), weights)
+        loss = self._compare(fixed, self.features(warped), weights)
+        return loss + self.lncc_weight * self.lncc._loss(fixed, warped, weights) if self.lncc_weight else loss
 
     def loss_at_points(
         self,
@@ -501,4 +515,7 @@ class FeatureSimilarity(Similarity):
         maps = self._cached("moving", moving, lambda: self.features(moving[None])[0])  # (C, F, *moving shape)
         warped = sample_image(maps.flatten(0, 1), moving_grid, points).unflatten(0, (channels, -1))
         warped = torch.nn.functional.normalize(warped, dim=1, eps=1e-6)[None]
-        return self._compare(fixed, warped, _weights(fixed, fixed, mask))
+        loss = self._compare(fixed, warped, _weights(fixed, fixed, mask))
+        if self.lncc_weight:
+            loss = loss + self.lncc_weight * self.lncc.loss_at_points(fixed, moving, moving_grid, points, mask)
+        return loss

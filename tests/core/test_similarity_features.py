@@ -33,6 +33,23 @@ def test_registered_and_built_from_the_configuration(tmp_path):
         build_similarity("features", window=3)
 
 
+@pytest.mark.parametrize("mode", ["warp_image", "warp_features"])
+def test_the_lncc_term_adds_the_images_local_ncc(mode):
+    grid = Grid.create((32, 32), (1.5, 1.5), (3.0, -2.0))
+    fixed, moving = _blobs(), _blobs(shift=2.0)[0]
+    points = grid.world_points() + torch.tensor([0.7, -0.4])
+    hybrid = build_similarity("features", mode=mode, lncc_weight=0.5, lncc_window=5)
+    alone = FeatureSimilarity(mode).loss_at_points(fixed, moving, grid, points)
+    lncc = build_similarity("lncc", window=5).loss_at_points(fixed, moving, grid, points)
+    torch.testing.assert_close(hybrid.loss_at_points(fixed, moving, grid, points), alone + 0.5 * lncc)
+    warped = sample_image(moving, grid, points)[None]
+    torch.testing.assert_close(hybrid(fixed, warped), FeatureSimilarity(mode)(fixed, warped) + 0.5 * lncc)
+    with pytest.raises(ConfigError, match="lncc_weight must be at least 0"):
+        FeatureSimilarity(lncc_weight=-1.0)
+    with pytest.raises(ConfigError, match="lncc window must be odd"):
+        FeatureSimilarity(lncc_window=4)
+
+
 def test_identical_images_give_zero_and_values_are_bounded():
     sim = FeatureSimilarity()
     fixed = _blobs()

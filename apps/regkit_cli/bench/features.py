@@ -54,9 +54,11 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
-def _similarity(name: str, weights: Path | None, mode: str) -> dict[str, Any]:
-    if name == "features":
-        return {"name": "features", "mode": mode, "weights": None if weights is None else str(weights)}
+def _similarity(name: str, weights: Path | None, mode: str, lncc_weight: float = 0.0) -> dict[str, Any]:
+    """The similarity's configuration; ``features+lncc``: features with the images' local NCC at ``lncc_weight``."""
+    if name in ("features", "features+lncc"):
+        hybrid = {"lncc_weight": lncc_weight} if name == "features+lncc" else {}
+        return {"name": "features", "mode": mode, "weights": None if weights is None else str(weights), **hybrid}
     classical: dict[str, dict[str, Any]] = {
         "mi": {"name": "mi", "bins": 32},
         "lncc": {"name": "lncc", "window": 9},
@@ -221,8 +223,20 @@ def _pairs_3d(cases: int, quick: bool, labels: Path | None) -> list[tuple[str, A
     return pairs
 
 
+def _similarities_3d(lncc_weight: float) -> tuple[str, ...]:
+    """The 3D part's similarities: ``features+lncc`` joins them when ``lncc_weight`` > 0."""
+    return SIMILARITIES_3D[:1] + (("features+lncc",) if lncc_weight > 0 else ()) + SIMILARITIES_3D[1:]
+
+
 def _run_3d(
-    cases: int, device: str, weights: Path | None, mode: str, quick: bool, labels: Path | None, say
+    cases: int,
+    device: str,
+    weights: Path | None,
+    mode: str,
+    quick: bool,
+    labels: Path | None,
+    say,
+    lncc_weight: float = 0.0,
 ) -> list[list[str]]:
     from regkit.engine import register
     from regkit.spatial.metrics import mean_dice
@@ -231,8 +245,8 @@ def _run_3d(
     before: dict[str, list[float]] = {}
     for name, fixed, moving, fixed_labels, moving_labels in _pairs_3d(cases, quick, labels):
         before.setdefault(name, []).append(mean_dice(fixed_labels.data, moving_labels.data))
-        for sim in ("affine only", *SIMILARITIES_3D):
-            similarity = None if sim == "affine only" else _similarity(sim, weights, mode)
+        for sim in ("affine only", *_similarities_3d(lncc_weight)):
+            similarity = None if sim == "affine only" else _similarity(sim, weights, mode, lncc_weight)
             start = time.perf_counter()
             result = register(fixed, moving, _config(3, similarity, quick), device=device)
             dice = mean_dice(fixed_labels.data, result.warp(moving_labels, mode="nearest").data)
@@ -241,7 +255,10 @@ def _run_3d(
     rows = []
     for name, values in before.items():
         row = [name, f"{sum(values) / len(values):.3f}"]
-        row += [f"{sum(v) / len(v):.3f}" for v in (scores[(name, sim)] for sim in ("affine only", *SIMILARITIES_3D))]
+        row += [
+            f"{sum(v) / len(v):.3f}"
+            for v in (scores[(name, sim)] for sim in ("affine only", *_similarities_3d(lncc_weight)))
+        ]
         rows.append(row)
     return rows
 
@@ -336,6 +353,14 @@ def features(
             help="Brain label map for the synthetic cases (regkit.features.synth.brain_labels); default: built.",
         ),
     ] = None,
+    features_lncc: Annotated[
+        float,
+        typer.Option(
+            "--features-lncc",
+            min=0.0,
+            help="3D: also run features with the images' local NCC at this weight (lncc_weight); 0: not.",
+        ),
+    ] = 0.0,
     quick: Annotated[bool, typer.Option("--quick", help="Smoke run: small images, few iterations.")] = False,
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads for torch.")] = None,
     output: Annotated[
@@ -362,7 +387,12 @@ def features(
 
     header = f"{device_name(device.value)}; {cases} case(s) per kind{'; --quick' if quick else ''}"
     console.print(header)
-    markdown = [f"### `regkit bench features {' '.join(_argv(parts, device, cases, mode, quick))}`", "", header, ""]
+    markdown = [
+        f"### `regkit bench features {' '.join(_argv(parts, device, cases, mode, quick, features_lncc))}`",
+        "",
+        header,
+        "",
+    ]
     if Part.two_d in parts:
         rows = _run_2d(cases if not quick else 1, device.value, weights_2d, mode, quick, itk_data, say)
         table, md = render(
@@ -374,14 +404,17 @@ def features(
         console.print(table)
         markdown.append(md)
     if Part.three_d in parts:
-        rows = _run_3d(cases if not quick else 1, device.value, weights_3d, mode, quick, labels, say)
+        rows = _run_3d(cases if not quick else 1, device.value, weights_3d, mode, quick, labels, say, features_lncc)
         table, md = render(
             "3D brains (2 mm): mean Dice over AAL labels; affine stage with mi, CPAB stage with each similarity",
             [
                 "pair",
                 "before",
                 "affine only",
-                *(f"features ({mode})" if s == "features" else s for s in SIMILARITIES_3D),
+                *(
+                    {"features": f"features ({mode})", "features+lncc": f"features + {features_lncc:g} lncc"}.get(s, s)
+                    for s in _similarities_3d(features_lncc)
+                ),
             ],
             rows,
         )
@@ -404,6 +437,7 @@ def features(
         console.print(f"wrote {output}")
 
 
-def _argv(parts: list[Part], device: Device, cases: int, mode: str, quick: bool) -> list[str]:
+def _argv(parts: list[Part], device: Device, cases: int, mode: str, quick: bool, features_lncc: float) -> list[str]:
     args = [f"--part {p.value}" for p in parts] + [f"--device {device.value}", f"--cases {cases}"]
-    return args + ([f"--mode {mode}"] if mode != "warp_image" else []) + (["--quick"] if quick else [])
+    args += [f"--mode {mode}"] if mode != "warp_image" else []
+    return args + ([f"--features-lncc {features_lncc:g}"] if features_lncc else []) + (["--quick"] if quick else [])
