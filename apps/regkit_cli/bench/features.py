@@ -54,11 +54,9 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
-def _similarity(name: str, weights: Path | None, mode: str, lncc_weight: float = 0.0) -> dict[str, Any]:
-    """The similarity's configuration; ``features+lncc``: features with the images' local NCC at ``lncc_weight``."""
-    if name in ("features", "features+lncc"):
-        hybrid = {"lncc_weight": lncc_weight} if name == "features+lncc" else {}
-        return {"name": "features", "mode": mode, "weights": None if weights is None else str(weights), **hybrid}
+def _similarity(name: str, weights: Path | None, mode: str) -> dict[str, Any]:
+    if name == "features":
+        return {"name": "features", "mode": mode, "weights": None if weights is None else str(weights)}
     classical: dict[str, dict[str, Any]] = {
         "mi": {"name": "mi", "bins": 32},
         "lncc": {"name": "lncc", "window": 9},
@@ -223,20 +221,22 @@ def _pairs_3d(cases: int, quick: bool, labels: Path | None) -> list[tuple[str, A
     return pairs
 
 
-def _similarities_3d(lncc_weight: float) -> tuple[str, ...]:
-    """The 3D part's similarities: ``features+lncc`` joins them when ``lncc_weight`` > 0."""
-    return SIMILARITIES_3D[:1] + (("features+lncc",) if lncc_weight > 0 else ()) + SIMILARITIES_3D[1:]
+def _columns_3d(weights: Path | None, mode: str, lncc_weights: list[float]) -> list[tuple[str, dict[str, Any] | None]]:
+    """The 3D part's columns: header and CPAB similarity (None: the affine stage alone); one ``features + W lncc``
+    column (the features similarity with the images' local NCC at ``lncc_weight`` W) per W of ``lncc_weights``."""
+    features = _similarity("features", weights, mode)
+    columns: list[tuple[str, dict[str, Any] | None]] = [("affine only", None), (f"features ({mode})", features)]
+    columns += [(f"features + {w:g} lncc", {**features, "lncc_weight": w}) for w in lncc_weights]
+    return columns + [(name, _similarity(name, weights, mode)) for name in SIMILARITIES_3D[1:]]
 
 
 def _run_3d(
     cases: int,
     device: str,
-    weights: Path | None,
-    mode: str,
+    columns: list[tuple[str, dict[str, Any] | None]],
     quick: bool,
     labels: Path | None,
     say,
-    lncc_weight: float = 0.0,
 ) -> list[list[str]]:
     from regkit.engine import register
     from regkit.spatial.metrics import mean_dice
@@ -245,8 +245,7 @@ def _run_3d(
     before: dict[str, list[float]] = {}
     for name, fixed, moving, fixed_labels, moving_labels in _pairs_3d(cases, quick, labels):
         before.setdefault(name, []).append(mean_dice(fixed_labels.data, moving_labels.data))
-        for sim in ("affine only", *_similarities_3d(lncc_weight)):
-            similarity = None if sim == "affine only" else _similarity(sim, weights, mode, lncc_weight)
+        for sim, similarity in columns:
             start = time.perf_counter()
             result = register(fixed, moving, _config(3, similarity, quick), device=device)
             dice = mean_dice(fixed_labels.data, result.warp(moving_labels, mode="nearest").data)
@@ -255,10 +254,7 @@ def _run_3d(
     rows = []
     for name, values in before.items():
         row = [name, f"{sum(values) / len(values):.3f}"]
-        row += [
-            f"{sum(v) / len(v):.3f}"
-            for v in (scores[(name, sim)] for sim in ("affine only", *_similarities_3d(lncc_weight)))
-        ]
+        row += [f"{sum(v) / len(v):.3f}" for v in (scores[(name, sim)] for sim, _ in columns)]
         rows.append(row)
     return rows
 
@@ -354,13 +350,13 @@ def features(
         ),
     ] = None,
     features_lncc: Annotated[
-        float,
+        list[float] | None,
         typer.Option(
             "--features-lncc",
             min=0.0,
-            help="3D: also run features with the images' local NCC at this weight (lncc_weight); 0: not.",
+            help="3D, repeatable: also run features with the images' local NCC at this weight (lncc_weight).",
         ),
-    ] = 0.0,
+    ] = None,
     quick: Annotated[bool, typer.Option("--quick", help="Smoke run: small images, few iterations.")] = False,
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads for torch.")] = None,
     output: Annotated[
@@ -388,7 +384,7 @@ def features(
     header = f"{device_name(device.value)}; {cases} case(s) per kind{'; --quick' if quick else ''}"
     console.print(header)
     markdown = [
-        f"### `regkit bench features {' '.join(_argv(parts, device, cases, mode, quick, features_lncc))}`",
+        f"### `regkit bench features {' '.join(_argv(parts, device, cases, mode, quick, features_lncc or []))}`",
         "",
         header,
         "",
@@ -404,18 +400,11 @@ def features(
         console.print(table)
         markdown.append(md)
     if Part.three_d in parts:
-        rows = _run_3d(cases if not quick else 1, device.value, weights_3d, mode, quick, labels, say, features_lncc)
+        columns = _columns_3d(weights_3d, mode, features_lncc or [])
+        rows = _run_3d(cases if not quick else 1, device.value, columns, quick, labels, say)
         table, md = render(
             "3D brains (2 mm): mean Dice over AAL labels; affine stage with mi, CPAB stage with each similarity",
-            [
-                "pair",
-                "before",
-                "affine only",
-                *(
-                    {"features": f"features ({mode})", "features+lncc": f"features + {features_lncc:g} lncc"}.get(s, s)
-                    for s in _similarities_3d(features_lncc)
-                ),
-            ],
+            ["pair", "before", *(header for header, _ in columns)],
             rows,
         )
         console.print(table)
@@ -437,7 +426,9 @@ def features(
         console.print(f"wrote {output}")
 
 
-def _argv(parts: list[Part], device: Device, cases: int, mode: str, quick: bool, features_lncc: float) -> list[str]:
+def _argv(
+    parts: list[Part], device: Device, cases: int, mode: str, quick: bool, features_lncc: list[float]
+) -> list[str]:
     args = [f"--part {p.value}" for p in parts] + [f"--device {device.value}", f"--cases {cases}"]
     args += [f"--mode {mode}"] if mode != "warp_image" else []
-    return args + ([f"--features-lncc {features_lncc:g}"] if features_lncc else []) + (["--quick"] if quick else [])
+    return args + [f"--features-lncc {w:g}" for w in features_lncc] + (["--quick"] if quick else [])
