@@ -38,8 +38,8 @@ if TYPE_CHECKING:
     from regkit.config import RegistrationConfig
     from regkit.io import Image
 
-SIMILARITIES_2D = ("features", "mi", "lncc", "ncc")
-SIMILARITIES_3D = ("features", "mi", "lncc")
+CLASSICAL_2D = ("mi", "lncc", "ncc")  # the similarities the features are compared with
+CLASSICAL_3D = ("mi", "lncc")
 _SEED_BASE = 7000  # case seeds: far from the demo's and from any training step's generators
 
 
@@ -63,6 +63,17 @@ def _similarity(name: str, weights: Path | None, mode: str) -> dict[str, Any]:
         "ncc": {"name": "ncc"},
     }
     return classical[name]
+
+
+def _columns(
+    dim: int, weights: Path | None, mode: str, lncc_weights: list[float]
+) -> list[tuple[str, dict[str, Any] | None]]:
+    """A part's columns: header and CPAB similarity (None: the affine stage alone); one ``features + W lncc`` column
+    (the features similarity with the images' local NCC at ``lncc_weight`` W) per W of ``lncc_weights``."""
+    features = _similarity("features", weights, mode)
+    columns: list[tuple[str, dict[str, Any] | None]] = [("affine only", None), (f"features ({mode})", features)]
+    columns += [(f"features + {w:g} lncc", {**features, "lncc_weight": w}) for w in lncc_weights]
+    return columns + [(name, _similarity(name, weights, mode)) for name in (CLASSICAL_2D if dim == 2 else CLASSICAL_3D)]
 
 
 def _config(dim: int, similarity: dict[str, Any] | None, quick: bool) -> RegistrationConfig:
@@ -136,7 +147,7 @@ def _endpoint_error(displacement: torch.Tensor, psi: torch.Tensor, grid: Any, ma
 
 
 def _run_2d(
-    cases: int, device: str, weights: Path | None, mode: str, quick: bool, itk_data: Path, say
+    cases: int, device: str, columns: list[tuple[str, dict[str, Any] | None]], quick: bool, itk_data: Path, say
 ) -> list[list[str]]:
     import torch
 
@@ -148,14 +159,13 @@ def _run_2d(
     t1, pd = _itk_slices(quick, itk_data)
     grid = t1.grid
     head = t1.data > 0.05 * t1.data.max()
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in ("affine only", *SIMILARITIES_2D)}
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in columns}
     before = []
     for case in range(cases):
         psi = synthetic_map(grid, SyntheticChange(), torch.Generator().manual_seed(_SEED_BASE + case))
         moving = Image(sample_image(pd.data.double(), grid, psi).float(), grid)
         before.append(_endpoint_error(torch.zeros(*grid.shape, 2), psi, grid, head))
-        for name in results:
-            similarity = None if name == "affine only" else _similarity(name, weights, mode)
+        for name, similarity in columns:
             start = time.perf_counter()
             result = register(t1, moving, _config(2, similarity, quick), device=device)
             error = _endpoint_error(result.transform.displacement(device=device), psi, grid, head)
@@ -165,10 +175,7 @@ def _run_2d(
     for name, values in results.items():
         errors = [e for e, _ in values]
         seconds = sum(s for _, s in values) / len(values)
-        label = f"features ({mode})" if name == "features" else name
-        rows.append(
-            [label, f"{sum(errors) / len(errors):.2f}", ", ".join(f"{e:.2f}" for e in errors), f"{seconds:.1f}"]
-        )
+        rows.append([name, f"{sum(errors) / len(errors):.2f}", ", ".join(f"{e:.2f}" for e in errors), f"{seconds:.1f}"])
     return rows
 
 
@@ -219,15 +226,6 @@ def _pairs_3d(cases: int, quick: bool, labels: Path | None) -> list[tuple[str, A
         keep = [lab.masked_fill(lab > AAL_LABELS, 0) for lab in (fixed_labels, moving_labels)]  # Dice over AAL alone
         pairs.append(("synth", images[0], images[1], Image(keep[0], grid), Image(keep[1], grid)))
     return pairs
-
-
-def _columns_3d(weights: Path | None, mode: str, lncc_weights: list[float]) -> list[tuple[str, dict[str, Any] | None]]:
-    """The 3D part's columns: header and CPAB similarity (None: the affine stage alone); one ``features + W lncc``
-    column (the features similarity with the images' local NCC at ``lncc_weight`` W) per W of ``lncc_weights``."""
-    features = _similarity("features", weights, mode)
-    columns: list[tuple[str, dict[str, Any] | None]] = [("affine only", None), (f"features ({mode})", features)]
-    columns += [(f"features + {w:g} lncc", {**features, "lncc_weight": w}) for w in lncc_weights]
-    return columns + [(name, _similarity(name, weights, mode)) for name in SIMILARITIES_3D[1:]]
 
 
 def _run_3d(
@@ -354,7 +352,7 @@ def features(
         typer.Option(
             "--features-lncc",
             min=0.0,
-            help="3D, repeatable: also run features with the images' local NCC at this weight (lncc_weight).",
+            help="Repeatable: also run features with the images' local NCC at this weight (lncc_weight).",
         ),
     ] = None,
     quick: Annotated[bool, typer.Option("--quick", help="Smoke run: small images, few iterations.")] = False,
@@ -390,7 +388,8 @@ def features(
         "",
     ]
     if Part.two_d in parts:
-        rows = _run_2d(cases if not quick else 1, device.value, weights_2d, mode, quick, itk_data, say)
+        columns = _columns(2, weights_2d, mode, features_lncc or [])
+        rows = _run_2d(cases if not quick else 1, device.value, columns, quick, itk_data, say)
         table, md = render(
             "2D T1 -> proton density (ITK slices): endpoint error (mm) over the head; affine stage with mi, CPAB stage "
             "with each similarity",
@@ -400,7 +399,7 @@ def features(
         console.print(table)
         markdown.append(md)
     if Part.three_d in parts:
-        columns = _columns_3d(weights_3d, mode, features_lncc or [])
+        columns = _columns(3, weights_3d, mode, features_lncc or [])
         rows = _run_3d(cases if not quick else 1, device.value, columns, quick, labels, say)
         table, md = render(
             "3D brains (2 mm): mean Dice over AAL labels; affine stage with mi, CPAB stage with each similarity",
