@@ -1,11 +1,13 @@
 r"""The fused CPAB kernels of the working tree against a committed version of them (``cpab_old``), on the H200.
 
 Per case (the 160 x 192 x 224 registration grid with 16^3 cells, one transformation; 3D 8^3 and 16^3, batch 8; 2D
-32x32, batch 16; 125,000 points; T = 50): that both give bit-equal end points and close gradients, the forward and
-backward kernel times (best of 10) for checkpoints every 5 steps and none, old and new (and, on the grid, the new
-kernels' launch variants: block size, warps, the backward's register cap), a whole forward + backward through
-``cpab_integrate`` (``to_A``, the loss and its backward included) replayed from a CUDA graph and eagerly, with its
-peak memory, and the step matrices, their adjoint and ``to_A`` with its backward.
+32x32, batch 16; 125,000 points; T = 50): that the old and new kernels give bit-equal end points and close gradients;
+the forward and backward kernel times (best of 10) for checkpoints every 5 steps and none, old and new, and on the grid
+the new kernels' variants (``VARIANTS``: block and warps, the backward's register cap, its cell-change records, made by
+itself or by the forward kernel, and its program-wide flush skip); a whole forward + backward through
+``cpab_integrate`` (the basis map ``to_A``, the loss and its backward included) replayed from a CUDA graph and eagerly,
+with its peak memory, with ``CPABasis.to_A`` and with the fused ``cell_velocities``; and the step matrices, their
+adjoint and ``to_A`` with its backward, PyTorch's and fused.
 
 Setup, from the repository root (``COMMIT``: the version to compare with)::
 
@@ -15,10 +17,9 @@ Setup, from the repository root (``COMMIT``: the version to compare with)::
     sed -i 's/from regkit_kernels.cpab.\(kernels\|expm\) import/from cpab_old.\1 import/' ops.py; cd -
 
 then on the GPU machine (``carry`` ``.scratch/cpab_old`` and the wheels), with ``PYTHONPATH`` holding the repository,
-``kernels``, ``apps`` and ``.scratch/cpab_old``: ``COMPILE_ONLY=1 python3 docs/benchmarks/cpab_ab.py`` (every variant,
-and the GPU tests' kernels, compiled in parallel processes: ~30 s on 16 cores), then
-``SKIP_COMPILE=1 python3 docs/benchmarks/cpab_ab.py``. ``DRY=1`` with ``TRITON_INTERPRET=1``: tiny sizes on the CPU,
-no timings (checks that everything runs; minutes).
+``kernels``, ``apps`` and ``.scratch/cpab_old``: ``COMPILE_ONLY=1 python3 docs/benchmarks/cpab_ab.py`` (every variant
+compiled in parallel processes), then ``SKIP_COMPILE=1 python3 docs/benchmarks/cpab_ab.py``. ``DRY=1`` with
+``TRITON_INTERPRET=1``: tiny sizes on the CPU, no timings (checks that everything runs; minutes).
 """
 
 import multiprocessing
@@ -33,17 +34,38 @@ import torch
 import regkit_kernels.cpab.ops as new
 from regkit.cpab.basis import cpa_basis
 from regkit.cpab.tessellation import Tessellation
-from regkit_kernels.cpab import step_matrices, step_matrices_vjp
+from regkit_kernels.cpab import cell_velocities, step_matrices, step_matrices_vjp
 
 DRY = os.environ.get("DRY") == "1"
 DEV = "cpu" if DRY else "cuda"
 T = 50
 GRID = (16, 20, 24) if DRY else (160, 192, 224)
-VARIANTS = [(128, 4, 96), (128, 4, None), (64, 2, 96)]  # (BLOCK, num_warps, backward's maxnreg); the default first
+# The new kernels' settings (ops module variables); DEFAULT as committed, the others change some of them.
+DEFAULT = {
+    "_BLOCK": 128,
+    "_NUM_WARPS": 4,
+    "_BWD_BLOCK": 128,
+    "_BWD_WARPS": 4,
+    "_MAXNREG": 96,
+    "_RECORD": 10,
+    "_FWD_RECORD": True,
+    "_UNIFORM": False,
+}
+VARIANTS = {
+    "default": {},
+    "no records": {"_RECORD": 0},
+    "own records": {"_FWD_RECORD": False},
+    "uniform flush": {"_UNIFORM": True},
+    "32/1 uniform": {"_BWD_BLOCK": 32, "_BWD_WARPS": 1, "_UNIFORM": True},
+    "uncapped": {"_MAXNREG": None},
+}
+FORWARD_VARIANTS = {"default": {}, "fwd 64/2": {"_BLOCK": 64, "_NUM_WARPS": 2}}
 
 
-def use(block: int, warps: int, maxnreg: int | None) -> None:
-    new._BLOCK, new._NUM_WARPS, new._MAXNREG = block, warps, maxnreg
+def use(name: str) -> None:
+    settings = {**DEFAULT, **VARIANTS.get(name, FORWARD_VARIANTS.get(name, {}))}
+    for key, value in settings.items():
+        setattr(new, key, value)
 
 
 def sync() -> None:
@@ -82,36 +104,36 @@ def case(shape, batch, points):
     return tess, basis, theta, pts
 
 
+def guarded(fn):
+    """``fn`` that prints its exception (one line) instead of raising: one failing variant stops no other."""
+
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as error:
+            print(f"{fn.__name__} {args[0] if args else ''} failed: {str(error).splitlines()[-1][:300]}", flush=True)
+            return str(error)
+
+    return run
+
+
+@guarded
 def _compile(spec) -> str:
-    """Child process: compile one kernel variant by running it on a few points."""
-    module, ndim, every, sort, block, warps, maxnreg = spec
+    """Child process: compile one variant by running the integration and its backward on a few points."""
+    module, variant, ndim, every, sort = spec
     ops = old if module == "old" else new
     if module == "new":
-        use(block, warps, maxnreg)
+        use(variant)
     ops._SORT_MIN = 0
     tess = Tessellation((2,) * ndim)
-    A = 0.1 * torch.randn(2 if sort else 1, tess.n_cells, ndim, ndim + 1, device=DEV)
-    pts = torch.rand(64, ndim, device=DEV).expand(A.shape[0], -1, -1)
-    order = ops.point_order(pts, tess) if sort else None
-    E = step_matrices(A, 0.02)
-    if module == "old":
-        import cpab_old.expm as old_expm
-
-        old_expm.step_matrices_vjp(A, 0.02, old_expm.step_matrices(A, 0.02))
-    out, ck = ops.cpab_fwd(pts, E, tess, T, every, order)
-    ops.cpab_bwd(pts, ck, torch.randn_like(out), E, tess, T, every, True, False, order)
+    basis = cpa_basis(tess, "zero")
+    theta = 0.1 * torch.randn(2 if sort else 1, basis.d, device=DEV, requires_grad=True)
+    pts = torch.rand(64, ndim, device=DEV).expand(theta.shape[0], -1, -1)
+    A = cell_velocities(basis, theta) if module == "new" else basis.to_A(theta)
+    out = ops.cpab_integrate(pts, A, tess, t=1.0, steps=T, checkpoint_every=every)
+    out.sum().backward()
     sync()
     return str(spec)
-
-
-def pieces_specs():
-    """cpab_pieces.warm_up's variants (the GPU tests' and the bench's)."""
-    return [(n, True, every, True, sort) for n in (2, 3) for every in (5, 8, 50) for sort in (False, True)]
-
-
-def _compile_any(item) -> str:
-    kind, spec = item
-    return cpab_pieces._compile(spec) if kind == "pieces" else _compile(spec)
 
 
 def specs():
@@ -119,24 +141,30 @@ def specs():
     for module in ("old", "new"):
         for ndim, sort in ((2, True), (3, True), (3, False)):
             for every in (5, T):
-                out.append((module, ndim, every, sort, 128, 4, None))
-    for block, warps, maxnreg in VARIANTS[1:]:
+                out.append((module, "default", ndim, every, sort))
+    for variant in [*list(VARIANTS)[1:], *list(FORWARD_VARIANTS)[1:]]:
         for every in (5, T):
-            out.append(("new", 3, every, False, block, warps, maxnreg))
+            out.append(("new", variant, 3, every, False))
+    for ndim in (2, 3):  # the batch cases' 32/1 uniform
+        for every in (5, T):
+            out.append(("new", "32/1 uniform", ndim, every, True))
     return out
 
 
-def kernels(name, tess, A, pts, batch, variants) -> None:
-    """Forward and backward kernel times, old and new (and the new launch variants)."""
+@guarded
+def kernels(name, tess, A, pts, batch, variants, forward_variants) -> None:
+    """Forward and backward kernel times, old and new (and the new variants)."""
     h = 1 / T
     P = pts.expand(batch, -1, -1)
     w = torch.randn(batch, *pts.shape, device=DEV)
     E = step_matrices(A, h)
+    use("default")
     for every in (5, T):  # the new kernels against the committed ones: end points bit-equal, moments close
         results = []
         for ops in (old, new):
             order = ops.point_order(P, tess)
-            out, ck = ops.cpab_fwd(P, E, tess, T, every, order)
+            kw = {"record": new.records_for(T, every)} if ops is new else {}
+            out, ck = ops.cpab_fwd(P, E, tess, T, every, order, **kw)
             results.append((out, ops.cpab_bwd(P, ck, w, E, tess, T, every, True, True, order)))
         (o0, (gp0, gE0)), (o1, (gp1, gE1)) = results
         print(
@@ -147,52 +175,66 @@ def kernels(name, tess, A, pts, batch, variants) -> None:
         )
     for every in (5, T):
         rows = [("old", old, None)] + [(f"new {v}", new, v) for v in variants]
+        rows += [(f"new {v}", new, v) for v in forward_variants]
         for label, ops, variant in rows:
-            if variant is not None:
-                use(*variant)
-            order = ops.point_order(P, tess)
-            _, ck = ops.cpab_fwd(P, E, tess, T, every, order)
-            fwd = ms(lambda ops=ops, order=order, every=every: ops.cpab_fwd(P, E, tess, T, every, order))
-            bwd = ms(
-                lambda ops=ops, order=order, ck=ck, every=every: ops.cpab_bwd(
-                    P, ck, w, E, tess, T, every, True, False, order
-                )
+            kernel_row(
+                f"{name} every {every} {label}", ops, variant, variant not in forward_variants, P, w, E, tess, every
             )
-            print(
-                f"{name} every {every} {label}: forward kernel {fwd:.3f} ms, backward kernel {bwd:.3f} ms", flush=True
-            )
-    use(*VARIANTS[0])
+    use("default")
 
 
-def whole(name, tess, basis, theta, pts, batch) -> None:
-    """integrate forward + backward (to_A, the loss and its backward included): graphed, eager and peak; old/new."""
+@guarded
+def kernel_row(label, ops, variant, backward, P, w, E, tess, every) -> None:
+    if variant is not None:
+        use(variant)
+    order = ops.point_order(P, tess)
+    kw = {"record": new.records_for(T, every)} if ops is new else {}
+    _, ck = ops.cpab_fwd(P, E, tess, T, every, order, **kw)
+    fwd = ms(lambda: ops.cpab_fwd(P, E, tess, T, every, order, **kw))
+    bwd = ms(lambda: ops.cpab_bwd(P, ck, w, E, tess, T, every, True, False, order)) if backward else float("nan")
+    print(f"{label}: forward kernel {fwd:.3f} ms, backward kernel {bwd:.3f} ms", flush=True)
+
+
+@guarded
+def whole(name, tess, basis, theta, pts, batch, variants=("default",)) -> None:
+    """integrate forward + backward (to_A, the loss and its backward included): graphed, eager and peak; old/new,
+    new with PyTorch's to_A and with the fused one."""
     w = torch.randn(batch, *pts.shape, device=DEV)
     P = pts.expand(batch, -1, -1)
+    rows = [("old", old, basis.to_A, None)]
+    for variant in variants:
+        rows += [(f"new {variant}", new, basis.to_A, variant)]
+        rows += [(f"new {variant} + fused to_A", new, lambda th: cell_velocities(basis, th), variant)]
     for every in (5, T):
-        for label, ops in (("old", old), ("new", new)):
+        for label, ops, to_a, variant in rows:
+            if variant is not None:
+                use(variant)
 
-            def run(ops=ops, every=every) -> None:
-                out = ops.cpab_integrate(P, basis.to_A(theta), tess, t=1.0, steps=T, checkpoint_every=every)
+            def run(ops=ops, every=every, to_a=to_a) -> None:
+                out = ops.cpab_integrate(P, to_a(theta), tess, t=1.0, steps=T, checkpoint_every=every)
                 theta.grad = None
                 (out * w).sum().backward()
 
-            run()
-            sync()
-            peak = float("nan")
-            if not DRY:
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            eager = ms(run, reps=10)
-            if not DRY:
-                peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-            graph = graph_ms(run)
-            print(
-                f"{name} every {every} {label}: whole GPU (graph) {graph:.3f} ms, eager {eager:.3f} ms, "
-                f"peak {peak:.1f} MiB",
-                flush=True,
-            )
+            whole_row(f"{name} every {every} {label}", run)
+    use("default")
 
 
+@guarded
+def whole_row(label, run) -> None:
+    run()
+    sync()
+    peak = float("nan")
+    if not DRY:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    eager = ms(run, reps=10)
+    if not DRY:
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    graph = graph_ms(run)
+    print(f"{label}: whole GPU (graph) {graph:.3f} ms, eager {eager:.3f} ms, peak {peak:.1f} MiB", flush=True)
+
+
+@guarded
 def small_pieces(name, basis, theta) -> None:
     h = 1 / T
     A = basis.to_A(theta).detach()
@@ -203,17 +245,15 @@ def small_pieces(name, basis, theta) -> None:
     def to_a() -> None:
         (basis.to_A(th) * g).sum().backward()
 
-    import cpab_old.expm as old_expm
+    def fused_to_a() -> None:
+        (cell_velocities(basis, th) * g).sum().backward()
 
-    for label, sm, vjp in (
-        ("old", old_expm.step_matrices, old_expm.step_matrices_vjp),
-        ("new", step_matrices, step_matrices_vjp),
-    ):
-        print(
-            f"{name} {label}: step matrices {graph_ms(lambda sm=sm: sm(A, h)):.3f} ms, adjoint "
-            f"{graph_ms(lambda vjp=vjp: vjp(A, h, G)):.3f} ms, to_A + backward {graph_ms(to_a):.3f} ms (graphs)",
-            flush=True,
-        )
+    print(
+        f"{name}: step matrices {graph_ms(lambda: step_matrices(A, h)):.3f} ms, adjoint "
+        f"{graph_ms(lambda: step_matrices_vjp(A, h, G)):.3f} ms, to_A + backward {graph_ms(to_a):.3f} ms, "
+        f"fused to_A + backward {graph_ms(fused_to_a):.3f} ms (graphs, the product with g and its sum included)",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
@@ -222,24 +262,23 @@ if __name__ == "__main__":
         for spec in specs():
             _compile(spec)
     elif os.environ.get("SKIP_COMPILE") != "1":
-        items = [("ab", s) for s in specs()] + [("pieces", s) for s in pieces_specs()]
-        items.sort(key=lambda item: -item[1][1] if item[0] == "ab" else -item[1][0])  # 3D (slowest) first
+        items = sorted(specs(), key=lambda spec: -spec[2])  # 3D (slowest) first
         with multiprocessing.get_context("spawn").Pool(16) as pool:
-            done = pool.map(_compile_any, items)
-        print(f"compiled {len(done)} variants (A/B, tests, bench): {time.perf_counter() - start:.1f} s", flush=True)
+            done = pool.map(_compile, items)
+        print(f"compiled {len(done)} variants: {time.perf_counter() - start:.1f} s", flush=True)
         if os.environ.get("COMPILE_ONLY") == "1":
             sys.exit(0)
     small = (4, 4, 4) if DRY else (16, 16, 16)
     tess, basis, theta, pts = case(small, 1, 0)
     A = basis.to_A(theta).detach()
-    kernels(f"grid {small}", tess, A, pts, 1, VARIANTS)
+    kernels(f"grid {small}", tess, A, pts, 1, list(VARIANTS), list(FORWARD_VARIANTS)[1:])
     whole(f"grid {small}", tess, basis, theta, pts, 1)
     small_pieces(f"grid {small}", basis, theta)
     n = 2000 if DRY else 125_000
     for shape, batch in (((2, 2, 2), 2),) if DRY else (((8, 8, 8), 8), ((16, 16, 16), 8), ((32, 32), 16)):
         tess, basis, theta, pts = case(shape, batch, n)
         A = basis.to_A(theta).detach()
-        kernels(f"{shape} B{batch}", tess, A, pts, batch, VARIANTS[:1])
+        kernels(f"{shape} B{batch}", tess, A, pts, batch, ["default", "32/1 uniform"], [])
         whole(f"{shape} B{batch}", tess, basis, theta, pts, batch)
         small_pieces(f"{shape} B{batch}", basis, theta)
     if not DRY:

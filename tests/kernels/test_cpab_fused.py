@@ -16,7 +16,7 @@ from regkit.cpab.basis import BOUNDARY_MODES, cpa_basis
 from regkit.cpab.integrate import integrate, integrate_reference, integrate_trajectory, step_matrices
 from regkit.cpab.tessellation import Tessellation
 from regkit_kernels.cpab import cpab_fwd
-from tests.kernels.cpab_cases import awkward_points, case
+from tests.kernels.cpab_cases import TESSELLATIONS, awkward_points, case
 
 # Largest |triton - torch| of a gradient, relative to the largest |torch|. float32: the fused adjoint of the matrix
 # exponential (float64 inside) and matrix_exp's float32 autograd differ by up to ~5e-6 per matrix at the large
@@ -134,6 +134,44 @@ def test_long_checkpoint_spacing(ndim, which, every):
     _assert_close(got[2], want[2], "dL/dtheta")
 
 
+@pytest.mark.parametrize("ndim", [2, 3])
+@pytest.mark.parametrize("uniform,forward_record", [(False, True), (True, True), (False, False)])
+@pytest.mark.usefixtures("same_step_matrices")
+def test_known_cells(ndim, uniform, forward_record, monkeypatch):
+    """A slow flow, where no point changes cell twice within a sub-segment's window (its 5 steps and the next one's
+    first) and some change once: the backward kernel recomputes its sub-segments but the last with the cells noted
+    while it computed its register checkpoints (or, with ``forward_record``, noted by the forward kernel, and then
+    computes the register checkpoints with them too; no program has a point that changes twice), with ``uniform``
+    also skipping the moment flushes program-wide, and gives gradients bit-equal to those it gives
+    looking every cell up (same positions, cells and atomics in the interpreter), and equal to the torch path's."""
+    import regkit_kernels.cpab.ops as ops
+
+    basis, theta, _ = case(ndim, 0, "zero", torch.float64, _device())
+    theta = (0.2 if ndim == 2 else 0.3) * theta
+    torch.manual_seed(ndim)
+    points = torch.rand(2, 120 if ndim == 2 else 400, ndim, dtype=torch.float64, device=theta.device)
+    steps = 20
+    trajectory = integrate_trajectory(points, basis.to_A(theta), basis.tess, t=1.0, steps=steps)
+    cells = basis.tess.locate(trajectory)
+    changed = cells[1:] != cells[:-1]  # changed[s - 1]: c_s != c_{s - 1}
+    assert max(changed[j : j + 5].sum(0).max().item() for j in range(0, steps - 5, 5)) == 1
+    assert changed[:-1].sum() >= 10
+    grad = torch.randn(points.shape, dtype=torch.float64)
+    want = _gradients(points, theta, basis, grad, "torch", steps, 4)
+    monkeypatch.setattr(ops, "_RECORD", 0)
+    monkeypatch.setattr(ops, "_UNIFORM", False)
+    looked_up = _gradients(points, theta, basis, grad, "triton", steps, steps)
+    monkeypatch.setattr(ops, "_RECORD", 10)
+    monkeypatch.setattr(ops, "_UNIFORM", uniform)
+    monkeypatch.setattr(ops, "_FWD_RECORD", forward_record)
+    got = _gradients(points, theta, basis, grad, "triton", steps, steps)
+    for g, w in zip(got, looked_up, strict=True):
+        assert torch.equal(g, w)
+    assert torch.equal(got[0], want[0])
+    _assert_close(got[1], want[1], "dL/dpoints")
+    _assert_close(got[2], want[2], "dL/dtheta")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "ndim,shape,batch,every,shared",
@@ -195,6 +233,31 @@ def test_several_programs_per_batch_element(ndim, monkeypatch):
     _assert_close(got[2], want[2], "dL/dtheta")
 
 
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("boundary", BOUNDARY_MODES)
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_cell_velocities_equal_to_A(ndim, boundary, batched):
+    """The fused basis map and its adjoint against ``CPABasis.to_A`` and its autograd (float64; float32 to rounding),
+    on the odd boxes of ``cpab_cases``, batched and not."""
+    from regkit_kernels.cpab import cell_velocities
+
+    for which in range(len(TESSELLATIONS[ndim])):
+        basis, theta, _ = case(ndim, which, boundary, torch.float64, _device())
+        theta = theta if batched else theta[0]
+        grad = torch.randn((*theta.shape[:-1], basis.tess.n_cells, ndim, ndim + 1), dtype=torch.float64)
+        for dtype, tol in ((torch.float64, 1e-13), (torch.float32, 1e-6)):
+            th = theta.to(dtype).requires_grad_(True)
+            want = basis.to_A(th)
+            (want_grad,) = torch.autograd.grad(want, th, grad.to(dtype))
+            th = theta.to(dtype).requires_grad_(True)
+            got = cell_velocities(basis, th)
+            (got_grad,) = torch.autograd.grad(got, th, grad.to(dtype))
+            assert got.shape == want.shape and got_grad.shape == want_grad.shape
+            _assert_close(got, want, "A", tol)
+            if basis.d:  # 3D zero boundary on one cube: no parameters
+                _assert_close(got_grad, want_grad, "dL/dtheta", tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("ndim", [2, 3])
 def test_step_matrices_equal_matrix_exp(ndim, dtype):
@@ -244,18 +307,22 @@ from triton.compiler import ASTSource
 from regkit_kernels.cpab.expm import _step_matrices_kernel, _step_matrices_vjp_kernel
 from regkit_kernels.cpab.kernels import _cpab_bwd_kernel, _cpab_fwd_kernel
 
+bwd = {"SEG": 5, "MOMENTS": True, "UNIFORM": False}
+odd = {"DIVIDE": True, "PERMUTED": False}  # boxes whose extents are not powers of two, points in their own order
+unit_sorted = {"DIVIDE": False, "PERMUTED": True}
 point_kernels = [
-    (_cpab_fwd_kernel, {"DIVIDE": True, "PERMUTED": False}),
-    (_cpab_fwd_kernel, {"DIVIDE": False, "PERMUTED": True}),
-    (_cpab_bwd_kernel, {"SEG": 5, "SLOTS": 1, "MOMENTS": True, "POINTS": True, "DIVIDE": True, "PERMUTED": False}),
-    (_cpab_bwd_kernel, {"SEG": 5, "SLOTS": 10, "MOMENTS": True, "POINTS": False, "DIVIDE": False, "PERMUTED": True}),
+    (_cpab_fwd_kernel, {"SEG": 5, "REC": 0, **odd}),
+    (_cpab_fwd_kernel, {"SEG": 5, "REC": 9, **unit_sorted}),
+    (_cpab_bwd_kernel, {**bwd, "SLOTS": 1, "REC": 0, "FWD_REC": False, "POINTS": True, **odd}),
+    (_cpab_bwd_kernel, {**bwd, "SLOTS": 2, "REC": 1, "FWD_REC": False, "POINTS": True, **odd}),
+    (_cpab_bwd_kernel, {**bwd, "SLOTS": 10, "REC": 9, "FWD_REC": True, "POINTS": False, **unit_sorted}),
 ]
 for kernel, consts in point_kernels + [(_step_matrices_kernel, {"DEG": 12}), (_step_matrices_vjp_kernel, {"DEG": 12})]:
     for ndim in (2, 3):
         start = time.perf_counter()
         constexprs = {"NDIM": ndim, "BLOCK": 128, **consts}
         signature = {
-            name: "constexpr" if name in constexprs else "*i32" if name == "perm_ptr" else
+            name: "constexpr" if name in constexprs else "*i32" if name in ("perm_ptr", "rec_ptr") else
             "*fp32" if name.endswith("_ptr") else
             "fp32" if name in ("h0", "h1", "h2") else "i32"
             for name in kernel.arg_names
