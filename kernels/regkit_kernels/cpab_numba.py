@@ -217,7 +217,7 @@ def _cell3(x0: Any, x1: Any, x2: Any, geom: np.ndarray, nx: int, ny: int) -> int
     i, lx = _axis(x0, geom[0], geom[3], geom[6], zero, one)
     j, ly = _axis(x1, geom[1], geom[4], geom[7], zero, one)
     k, lz = _axis(x2, geom[2], geom[5], geom[8], zero, one)
-    if (i + j + k) % 2 == 1:
+    if (i + j + k) & 1:  # the box indices are never negative
         lx = one - lx
     local = int(lx - ly - lz > zero) + 2 * int(ly - lx - lz > zero) + 3 * int(lz - lx - ly > zero)
     local += 4 * int(lx + ly + lz > two)
@@ -228,17 +228,17 @@ def _cell3(x0: Any, x1: Any, x2: Any, geom: np.ndarray, nx: int, ny: int) -> int
 def _forward2(points: np.ndarray, E: np.ndarray, geom: np.ndarray, nx: int, steps: int, out: np.ndarray) -> None:
     B, N = out.shape[0], out.shape[1]
     shared = points.shape[0] == 1
-    for flat in numba.prange(B * N):
-        b, p = flat // N, flat % N
+    for b in range(B):
         src = 0 if shared else b
-        x0, x1 = points[src, p, 0], points[src, p, 1]
-        for _ in range(steps):
-            c = _cell2(x0, x1, geom, nx)
-            x0, x1 = (
-                (E[b, c, 0, 0] * x0 + E[b, c, 0, 1] * x1) + E[b, c, 0, 2],
-                (E[b, c, 1, 0] * x0 + E[b, c, 1, 1] * x1) + E[b, c, 1, 2],
-            )
-        out[b, p, 0], out[b, p, 1] = x0, x1
+        for p in numba.prange(N):
+            x0, x1 = points[src, p, 0], points[src, p, 1]
+            for _ in range(steps):
+                c = _cell2(x0, x1, geom, nx)
+                x0, x1 = (
+                    (E[b, c, 0, 0] * x0 + E[b, c, 0, 1] * x1) + E[b, c, 0, 2],
+                    (E[b, c, 1, 0] * x0 + E[b, c, 1, 1] * x1) + E[b, c, 1, 2],
+                )
+            out[b, p, 0], out[b, p, 1] = x0, x1
 
 
 @numba.njit(parallel=True, cache=True)
@@ -247,18 +247,18 @@ def _forward3(
 ) -> None:
     B, N = out.shape[0], out.shape[1]
     shared = points.shape[0] == 1
-    for flat in numba.prange(B * N):
-        b, p = flat // N, flat % N
+    for b in range(B):
         src = 0 if shared else b
-        x0, x1, x2 = points[src, p, 0], points[src, p, 1], points[src, p, 2]
-        for _ in range(steps):
-            c = _cell3(x0, x1, x2, geom, nx, ny)
-            x0, x1, x2 = (
-                ((E[b, c, 0, 0] * x0 + E[b, c, 0, 1] * x1) + E[b, c, 0, 2] * x2) + E[b, c, 0, 3],
-                ((E[b, c, 1, 0] * x0 + E[b, c, 1, 1] * x1) + E[b, c, 1, 2] * x2) + E[b, c, 1, 3],
-                ((E[b, c, 2, 0] * x0 + E[b, c, 2, 1] * x1) + E[b, c, 2, 2] * x2) + E[b, c, 2, 3],
-            )
-        out[b, p, 0], out[b, p, 1], out[b, p, 2] = x0, x1, x2
+        for p in numba.prange(N):
+            x0, x1, x2 = points[src, p, 0], points[src, p, 1], points[src, p, 2]
+            for _ in range(steps):
+                c = _cell3(x0, x1, x2, geom, nx, ny)
+                x0, x1, x2 = (
+                    ((E[b, c, 0, 0] * x0 + E[b, c, 0, 1] * x1) + E[b, c, 0, 2] * x2) + E[b, c, 0, 3],
+                    ((E[b, c, 1, 0] * x0 + E[b, c, 1, 1] * x1) + E[b, c, 1, 2] * x2) + E[b, c, 1, 3],
+                    ((E[b, c, 2, 0] * x0 + E[b, c, 2, 1] * x1) + E[b, c, 2, 2] * x2) + E[b, c, 2, 3],
+                )
+            out[b, p, 0], out[b, p, 1], out[b, p, 2] = x0, x1, x2
 
 
 @numba.njit(parallel=True, cache=True)
@@ -286,8 +286,12 @@ def _backward(
         lam = np.empty(n, dtype=grad_out.dtype)
         new = np.empty(n, dtype=grad_out.dtype)
         table = moments[task]
-        for flat in range(task * total // tasks, (task + 1) * total // tasks):
-            b, p = flat // N, flat % N
+        first = task * total // tasks
+        b, p = first // N, first % N - 1
+        for _ in range(first, (task + 1) * total // tasks):
+            p += 1  # (b, p) walks the task's range without an integer division per point
+            if p == N:
+                b, p = b + 1, 0
             if _all_zero(grad_out[b, p]):  # lambda stays 0: no moment, no point gradient (background voxels)
                 for i in range(n):
                     grad_points[b, p, i] = 0.0
