@@ -44,27 +44,23 @@ GRID = (16, 20, 24) if DRY else (160, 192, 224)
 DEFAULT = {
     "_BLOCK": 128,
     "_NUM_WARPS": 4,
-    "_BWD_BLOCK": 128,
-    "_BWD_WARPS": 4,
-    "_MAXNREG": 96,
+    "_BWD_BLOCK": 32,
+    "_BWD_WARPS": 1,
+    "_MAXNREG": None,
     "_RECORD": 10,
     "_FWD_RECORD": True,
-    "_UNIFORM": False,
+    "_UNIFORM": True,
 }
 VARIANTS = {
     "default": {},
     "no records": {"_RECORD": 0},
     "own records": {"_FWD_RECORD": False},
-    "uniform flush": {"_UNIFORM": True},
-    "32/1 uniform": {"_BWD_BLOCK": 32, "_BWD_WARPS": 1, "_UNIFORM": True},
-    "uncapped": {"_MAXNREG": None},
+    "no records 128/4": {"_RECORD": 0, "_BWD_BLOCK": 128, "_BWD_WARPS": 4, "_UNIFORM": False},
 }
-FORWARD_VARIANTS = {"default": {}, "fwd 64/2": {"_BLOCK": 64, "_NUM_WARPS": 2}}
 
 
 def use(name: str) -> None:
-    settings = {**DEFAULT, **VARIANTS.get(name, FORWARD_VARIANTS.get(name, {}))}
-    for key, value in settings.items():
+    for key, value in {**DEFAULT, **VARIANTS[name]}.items():
         setattr(new, key, value)
 
 
@@ -112,103 +108,122 @@ def guarded(fn):
             return fn(*args, **kwargs)
         except Exception as error:
             print(f"{fn.__name__} {args[0] if args else ''} failed: {str(error).splitlines()[-1][:300]}", flush=True)
-            return str(error)
+            return None
 
     return run
 
 
-@guarded
 def _compile(spec) -> str:
-    """Child process: compile one variant by running the integration and its backward on a few points."""
-    module, variant, ndim, every, sort = spec
-    ops = old if module == "old" else new
-    if module == "new":
-        use(variant)
-    ops._SORT_MIN = 0
-    tess = Tessellation((2,) * ndim)
+    """Child process: compile one variant by running the integration and its backward on a few points: ``("old" or
+    "new", variant, ndim, checkpoint_every, sorted)``, or ``("test", ndim, divide, steps, checkpoint_every, sorted)``
+    for the kernels of the GPU tests (float32, point gradients too; the step matrices in float32 and float64)."""
+    try:
+        if spec[0] == "test":
+            return _compile_test(spec)
+        module, variant, ndim, every, sort = spec
+        ops = old if module == "old" else new
+        if module == "new":
+            use(variant)
+        ops._SORT_MIN = 0
+        tess = Tessellation((2,) * ndim)
+        basis = cpa_basis(tess, "zero")
+        theta = 0.1 * torch.randn(2 if sort else 1, basis.d, device=DEV, requires_grad=True)
+        pts = torch.rand(64, ndim, device=DEV).expand(theta.shape[0], -1, -1)
+        A = cell_velocities(basis, theta) if module == "new" else basis.to_A(theta)
+        out = ops.cpab_integrate(pts, A, tess, t=1.0, steps=T, checkpoint_every=every)
+        out.sum().backward()
+        sync()
+    except Exception as error:
+        return f"{spec} failed: {str(error).splitlines()[-1][:300]}"
+    return str(spec)
+
+
+def _compile_test(spec) -> str:
+    from regkit.cpab.integrate import integrate
+
+    _, ndim, divide, steps, every, sort = spec
+    new._SORT_MIN = 0
+    tess = Tessellation((2,) * ndim, (-1.0,) * ndim, (2.0,) * ndim) if divide else Tessellation((2,) * ndim)
     basis = cpa_basis(tess, "zero")
-    theta = 0.1 * torch.randn(2 if sort else 1, basis.d, device=DEV, requires_grad=True)
-    pts = torch.rand(64, ndim, device=DEV).expand(theta.shape[0], -1, -1)
-    A = cell_velocities(basis, theta) if module == "new" else basis.to_A(theta)
-    out = ops.cpab_integrate(pts, A, tess, t=1.0, steps=T, checkpoint_every=every)
+    theta = torch.randn(2, basis.d, device=DEV, requires_grad=True)
+    pts = torch.rand(64, ndim, device=DEV)
+    pts = (pts if sort else pts.expand(2, -1, -1).contiguous()).requires_grad_(True)
+    out = integrate(pts, basis.to_A(theta), tess, t=1.0, steps=steps, backend="triton", checkpoint_every=every)
     out.sum().backward()
+    A = 10.0 * torch.randn(3, ndim, ndim + 1, device=DEV)
+    for dtype in (torch.float32, torch.float64):
+        step_matrices_vjp(A.to(dtype), 0.1, step_matrices(A.to(dtype), 0.1))
+        cell_velocities(basis, theta.detach().to(dtype).requires_grad_(True)).sum().backward()
     sync()
     return str(spec)
 
 
 def specs():
-    out = []
-    for module in ("old", "new"):
-        for ndim, sort in ((2, True), (3, True), (3, False)):
-            for every in (5, T):
-                out.append((module, "default", ndim, every, sort))
-    for variant in [*list(VARIANTS)[1:], *list(FORWARD_VARIANTS)[1:]]:
-        for every in (5, T):
-            out.append(("new", variant, 3, every, False))
-    for ndim in (2, 3):  # the batch cases' 32/1 uniform
-        for every in (5, T):
-            out.append(("new", "32/1 uniform", ndim, every, True))
-    return out
+    out = [("old", "default", 3, every, False) for every in (5, T)]
+    out += [("new", variant, 3, every, False) for variant in VARIANTS for every in (5, T)]
+    out += [("new", "default", ndim, every, True) for ndim in (2, 3) for every in (5, T)]
+    tests = [(2, True, T, 5, False), (2, True, T, 5, True), (2, True, T, T, False), (3, True, T, 5, True)]
+    tests += [(3, True, T, T, False), (3, True, T, 8, False), (2, False, 10, 4, False), (3, False, 10, 4, False)]
+    return out + [("test", *t) for t in tests]
 
 
 @guarded
-def kernels(name, tess, A, pts, batch, variants, forward_variants) -> None:
-    """Forward and backward kernel times, old and new (and the new variants)."""
+def kernels(name, tess, A, pts, batch, variants) -> str:
+    """Forward and backward kernel times, old and new variants; each new variant's end points against the old kernels'
+    (bit-equal) and its gradients (relative difference: atomics' order, fused multiply-adds). Returns the variant
+    with the fastest forward + backward kernels without checkpoints."""
     h = 1 / T
     P = pts.expand(batch, -1, -1)
     w = torch.randn(batch, *pts.shape, device=DEV)
     E = step_matrices(A, h)
-    use("default")
-    for every in (5, T):  # the new kernels against the committed ones: end points bit-equal, moments close
-        results = []
-        for ops in (old, new):
-            order = ops.point_order(P, tess)
-            kw = {"record": new.records_for(T, every)} if ops is new else {}
-            out, ck = ops.cpab_fwd(P, E, tess, T, every, order, **kw)
-            results.append((out, ops.cpab_bwd(P, ck, w, E, tess, T, every, True, True, order)))
-        (o0, (gp0, gE0)), (o1, (gp1, gE1)) = results
-        print(
-            f"{name} every {every} check: end points equal {torch.equal(o0, o1)}, dL/dpoints rel "
-            f"{((gp1 - gp0).abs().max() / gp0.abs().max()).item():.2e}, dL/dE rel "
-            f"{((gE1 - gE0).abs().max() / gE0.abs().max()).item():.2e}",
-            flush=True,
-        )
+    lean = {}
     for every in (5, T):
-        rows = [("old", old, None)] + [(f"new {v}", new, v) for v in variants]
-        rows += [(f"new {v}", new, v) for v in forward_variants]
-        for label, ops, variant in rows:
-            kernel_row(
-                f"{name} every {every} {label}", ops, variant, variant not in forward_variants, P, w, E, tess, every
-            )
+        order = old.point_order(P, tess)
+        out, ck = old.cpab_fwd(P, E, tess, T, every, order)
+        reference = (out, *old.cpab_bwd(P, ck, w, E, tess, T, every, True, True, order))
+        kernel_row(f"{name} every {every} old", old, None, P, w, E, tess, every, None)
+        for variant in variants:
+            times = kernel_row(f"{name} every {every} new {variant}", new, variant, P, w, E, tess, every, reference)
+            if every == T and times is not None:
+                lean[variant] = sum(times)
     use("default")
+    best = min(lean, key=lean.get) if lean else "default"
+    print(f"{name}: fastest without checkpoints: {best}", flush=True)
+    return best
 
 
 @guarded
-def kernel_row(label, ops, variant, backward, P, w, E, tess, every) -> None:
+def kernel_row(label, ops, variant, P, w, E, tess, every, reference) -> tuple[float, float]:
     if variant is not None:
         use(variant)
     order = ops.point_order(P, tess)
     kw = {"record": new.records_for(T, every)} if ops is new else {}
-    _, ck = ops.cpab_fwd(P, E, tess, T, every, order, **kw)
+    out, ck = ops.cpab_fwd(P, E, tess, T, every, order, **kw)
+    check = ""
+    if reference is not None:
+        gp, gE = ops.cpab_bwd(P, ck, w, E, tess, T, every, True, True, order)
+        rel = [((g - r).abs().max() / r.abs().max()).item() for g, r in zip((gp, gE), reference[1:], strict=True)]
+        check = f" (end points equal {torch.equal(out, reference[0])}, grads rel {rel[0]:.1e} / {rel[1]:.1e})"
     fwd = ms(lambda: ops.cpab_fwd(P, E, tess, T, every, order, **kw))
-    bwd = ms(lambda: ops.cpab_bwd(P, ck, w, E, tess, T, every, True, False, order)) if backward else float("nan")
-    print(f"{label}: forward kernel {fwd:.3f} ms, backward kernel {bwd:.3f} ms", flush=True)
+    bwd = ms(lambda: ops.cpab_bwd(P, ck, w, E, tess, T, every, True, False, order))
+    print(f"{label}: forward kernel {fwd:.3f} ms, backward kernel {bwd:.3f} ms{check}", flush=True)
+    return fwd, bwd
 
 
 @guarded
-def whole(name, tess, basis, theta, pts, batch, variants=("default",)) -> None:
-    """integrate forward + backward (to_A, the loss and its backward included): graphed, eager and peak; old/new,
-    new with PyTorch's to_A and with the fused one."""
+def whole(name, tess, basis, theta, pts, batch, variant="default", with_old=True) -> None:
+    """integrate forward + backward (to_A, the loss and its backward included): graphed, eager and peak; old, new
+    (``variant``) with PyTorch's to_A and with the fused one (``cell_velocities``)."""
     w = torch.randn(batch, *pts.shape, device=DEV)
     P = pts.expand(batch, -1, -1)
-    rows = [("old", old, basis.to_A, None)]
-    for variant in variants:
-        rows += [(f"new {variant}", new, basis.to_A, variant)]
-        rows += [(f"new {variant} + fused to_A", new, lambda th: cell_velocities(basis, th), variant)]
+    rows = [("old", old, basis.to_A)] if with_old else []
+    rows += [
+        (f"new {variant}", new, basis.to_A),
+        (f"new {variant} + fused to_A", new, lambda th: cell_velocities(basis, th)),
+    ]
+    use(variant)
     for every in (5, T):
-        for label, ops, to_a, variant in rows:
-            if variant is not None:
-                use(variant)
+        for label, ops, to_a in rows:
 
             def run(ops=ops, every=every, to_a=to_a) -> None:
                 out = ops.cpab_integrate(P, to_a(theta), tess, t=1.0, steps=T, checkpoint_every=every)
@@ -258,30 +273,28 @@ def small_pieces(name, basis, theta) -> None:
 
 if __name__ == "__main__":
     start = time.perf_counter()
-    if DRY:
+    if os.environ.get("SKIP_COMPILE") == "1":
+        pass
+    elif DRY:
         for spec in specs():
-            _compile(spec)
-    elif os.environ.get("SKIP_COMPILE") != "1":
-        items = sorted(specs(), key=lambda spec: -spec[2])  # 3D (slowest) first
+            print(_compile(spec), flush=True)
+    else:
+        items = sorted(specs(), key=lambda spec: -(spec[1] if spec[0] == "test" else spec[2]))  # 3D (slowest) first
         with multiprocessing.get_context("spawn").Pool(16) as pool:
             done = pool.map(_compile, items)
+        print("\n".join(d for d in done if "failed" in d))
         print(f"compiled {len(done)} variants: {time.perf_counter() - start:.1f} s", flush=True)
         if os.environ.get("COMPILE_ONLY") == "1":
             sys.exit(0)
     small = (4, 4, 4) if DRY else (16, 16, 16)
     tess, basis, theta, pts = case(small, 1, 0)
     A = basis.to_A(theta).detach()
-    kernels(f"grid {small}", tess, A, pts, 1, list(VARIANTS), list(FORWARD_VARIANTS)[1:])
-    whole(f"grid {small}", tess, basis, theta, pts, 1)
+    best = kernels(f"grid {small}", tess, A, pts, 1, list(VARIANTS)) or "default"
+    whole(f"grid {small}", tess, basis, theta, pts, 1, best)
     small_pieces(f"grid {small}", basis, theta)
     n = 2000 if DRY else 125_000
-    for shape, batch in (((2, 2, 2), 2),) if DRY else (((8, 8, 8), 8), ((16, 16, 16), 8), ((32, 32), 16)):
+    for shape, batch in (((2, 2, 2), 2),) if DRY else (((8, 8, 8), 8), ((32, 32), 16), ((16, 16, 16), 8)):
         tess, basis, theta, pts = case(shape, batch, n)
-        A = basis.to_A(theta).detach()
-        kernels(f"{shape} B{batch}", tess, A, pts, batch, ["default", "32/1 uniform"], [])
-        whole(f"{shape} B{batch}", tess, basis, theta, pts, batch)
+        whole(f"{shape} B{batch}", tess, basis, theta, pts, batch, best, with_old=False)
         small_pieces(f"{shape} B{batch}", basis, theta)
-    if not DRY:
-        tess, basis, theta, pts = case((8, 8, 8), 1, 0)
-        whole("grid (8, 8, 8)", tess, basis, theta, pts, 1)
     print(f"done in {time.perf_counter() - start:.1f} s", flush=True)

@@ -143,7 +143,7 @@ def test_known_cells(ndim, uniform, forward_record, monkeypatch):
     while it computed its register checkpoints (or, with ``forward_record``, noted by the forward kernel, and then
     computes the register checkpoints with them too; no program has a point that changes twice), with ``uniform``
     also skipping the moment flushes program-wide, and gives gradients bit-equal to those it gives
-    looking every cell up (same positions, cells and atomics in the interpreter), and equal to the torch path's."""
+    looking every cell up (same positions, cells and, in the interpreter, atomics), and equal to the torch path's."""
     import regkit_kernels.cpab.ops as ops
 
     basis, theta, _ = case(ndim, 0, "zero", torch.float64, _device())
@@ -165,8 +165,11 @@ def test_known_cells(ndim, uniform, forward_record, monkeypatch):
     monkeypatch.setattr(ops, "_UNIFORM", uniform)
     monkeypatch.setattr(ops, "_FWD_RECORD", forward_record)
     got = _gradients(points, theta, basis, grad, "triton", steps, steps)
-    for g, w in zip(got, looked_up, strict=True):
-        assert torch.equal(g, w)
+    assert torch.equal(got[0], looked_up[0]) and torch.equal(got[1], looked_up[1])
+    if points.is_cuda:  # the moments' float atomics add in another order
+        _assert_close(got[2], looked_up[2], "dL/dtheta")
+    else:
+        assert torch.equal(got[2], looked_up[2])
     assert torch.equal(got[0], want[0])
     _assert_close(got[1], want[1], "dL/dpoints")
     _assert_close(got[2], want[2], "dL/dtheta")

@@ -214,18 +214,21 @@ def _cpab_fwd_kernel(
     e_batch = e_ptr + b * C * (4 * NDIM)
     S = tl.cdiv(T, K)
     bits = tl.zeros([BLOCK], tl.int32)
-    prev = tl.full([BLOCK], -1, tl.int32)
-    for seg in range(S):
-        if seg > 0:
-            _store_points(ckpt_ptr + ((seg - 1) * B + b) * N * NDIM, idx, x0, x1, x2, ok, NDIM)
-        for s in range(tl.minimum(K, T - seg * K)):
-            x0, x1, x2, cell = _step(e_batch, x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
-            if REC > 0:  # step s of the only segment: a change before it falls in sub-segment (s - 1) // SEG
-                window = (tl.maximum(s, 1) - 1) // SEG
-                bits = _record(bits, prev, cell, tl.where(s > 0, window, -1), s - window * SEG, REC)
-                prev = cell
-    if REC > 0:
+    if REC > 0:  # one segment; a change before step s = SEG w + k (k = 1 .. SEG) falls in sub-segment w
+        x0, x1, x2, prev = _step(e_batch, x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
+        for w in range(tl.cdiv(T - 1, SEG)):
+            for k in tl.static_range(1, SEG + 1):
+                if SEG * w + k < T:
+                    x0, x1, x2, cell = _step(e_batch, x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
+                    bits = _record(bits, prev, cell, w, k, REC)
+                    prev = cell
         tl.store(rec_ptr + b * N + idx, bits, mask=ok)
+    else:
+        for seg in range(S):
+            if seg > 0:
+                _store_points(ckpt_ptr + ((seg - 1) * B + b) * N * NDIM, idx, x0, x1, x2, ok, NDIM)
+            for _ in range(tl.minimum(K, T - seg * K)):
+                x0, x1, x2, _cell = _step(e_batch, x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
     _store_points(out_ptr + b * N * NDIM, p, x0, x1, x2, ok, NDIM)
 
 

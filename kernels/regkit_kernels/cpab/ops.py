@@ -22,20 +22,21 @@ from torch.autograd.function import once_differentiable
 from regkit_kernels.cpab.expm import padded_rows, step_matrices, step_matrices_vjp
 from regkit_kernels.cpab.kernels import _cell_kernel, _cpab_bwd_kernel, _cpab_fwd_kernel
 
-_BLOCK = 128  # points per program on the GPU (one per thread with 4 warps)
+_BLOCK = 128  # points per program of the forward kernel on the GPU (one per thread with 4 warps)
 _NUM_WARPS = 4
-_BWD_BLOCK = 128  # the backward kernel's (its program-wide decisions, known cells and skipped flushes, are per block)
-_BWD_WARPS = 4
+# The backward kernel's programs are one warp: its program-wide decisions (a sub-segment with known cells, a step
+# without moment flushes) are then per warp, reductions over a program are warp shuffles (over 4 warps they take a
+# barrier: every 5 steps on the grid, 1.90 -> 2.40 ms when the flush skip took one per step) and divergence costs only
+# the warp's own points. 32 programs of one warp per SM (the hardware's limit) are what the registers allow anyway.
+_BWD_BLOCK = 32
+_BWD_WARPS = 1
 _RECORD = 10  # sub-segments per stored segment whose cells the backward kernel notes (0: look every cell up)
-_UNIFORM = False  # the backward kernel skips the moment flush program-wide at steps where no point changes cell
-_FWD_RECORD = (
-    True  # without checkpoints, the forward kernel records the cell changes (4 bytes a point) for the backward
-)
-# Register cap of the float32 backward kernel: 96 keeps the 5 programs of 128 threads per SM that the 3D kernel with
-# register checkpoints had before its sweep took fused multiply-adds (sm_90, Triton 3.6: 95 registers, 1,760
-# instructions then); uncapped it takes 108 (4 programs per SM) for 1,552 instructions, capped 1,608 and an 8-byte
-# spill. The other variants stay under the cap. Chosen from these counts; not yet timed against the uncapped kernel.
-_MAXNREG: int | None = 96
+_UNIFORM = True  # the backward kernel skips the moment flush program-wide at steps where no point changes cell
+_FWD_RECORD = True  # without checkpoints the forward kernel records the cell changes (4 bytes a point) for the backward
+# Register cap of the float32 backward kernel (None: ptxas's choice). On the H200 the cap of 96 (5 programs of 128
+# threads per SM for the 3D kernel with register checkpoints) made the grid's backward with checkpoints every 5 steps
+# slower: 1.90 ms against 1.72 uncapped.
+_MAXNREG: int | None = None
 _INTERPRETER_BLOCK = 1 << 12  # under TRITON_INTERPRET=1 every program costs Python overhead: few, large ones
 _DTYPES = (torch.float32, torch.float64)
 _SEGMENT = 5  # steps per unrolled sub-segment of the backward kernel (compile time grows about as its cube)
