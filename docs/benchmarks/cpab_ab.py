@@ -3,11 +3,12 @@ r"""The fused CPAB kernels of the working tree against a committed version of th
 Per case (the 160 x 192 x 224 registration grid with 16^3 cells, one transformation; 3D 8^3 and 16^3, batch 8; 2D
 32x32, batch 16; 125,000 points; T = 50): that the old and new kernels give bit-equal end points and close gradients;
 the forward and backward kernel times (best of 10) for checkpoints every 5 steps and none, old and new, and on the grid
-the new kernels' variants (``VARIANTS``: block and warps, the backward's register cap, its cell-change records, made by
-itself or by the forward kernel, and its program-wide flush skip); a whole forward + backward through
-``cpab_integrate`` (the basis map ``to_A``, the loss and its backward included) replayed from a CUDA graph and eagerly,
-with its peak memory, with ``CPABasis.to_A`` and with the fused ``cell_velocities``; and the step matrices, their
-adjoint and ``to_A`` with its backward, PyTorch's and fused.
+the new kernels' variants (``VARIANTS``: the backward's programs of 4 warps without the program-wide flush skip, its
+register cap; session 5 also ran cell-change records, in commit 776adb7's version of this script), each checked
+against the old kernels; a whole forward + backward through ``cpab_integrate`` (the basis map ``to_A``, the loss and
+its backward included) with the fastest variant, replayed from a CUDA graph and eagerly, with its peak memory, with
+``CPABasis.to_A`` and with the fused ``cell_velocities``; and the step matrices, their adjoint and ``to_A`` with its
+backward, PyTorch's and fused. The compile step also compiles the kernels of the GPU tests.
 
 Setup, from the repository root (``COMMIT``: the version to compare with)::
 
@@ -41,21 +42,11 @@ DEV = "cpu" if DRY else "cuda"
 T = 50
 GRID = (16, 20, 24) if DRY else (160, 192, 224)
 # The new kernels' settings (ops module variables); DEFAULT as committed, the others change some of them.
-DEFAULT = {
-    "_BLOCK": 128,
-    "_NUM_WARPS": 4,
-    "_BWD_BLOCK": 32,
-    "_BWD_WARPS": 1,
-    "_MAXNREG": None,
-    "_RECORD": 10,
-    "_FWD_RECORD": True,
-    "_UNIFORM": True,
-}
+DEFAULT = {"_BLOCK": 128, "_NUM_WARPS": 4, "_BWD_BLOCK": 32, "_BWD_WARPS": 1, "_MAXNREG": None, "_UNIFORM": True}
 VARIANTS = {
     "default": {},
-    "no records": {"_RECORD": 0},
-    "own records": {"_FWD_RECORD": False},
-    "no records 128/4": {"_RECORD": 0, "_BWD_BLOCK": 128, "_BWD_WARPS": 4, "_UNIFORM": False},
+    "4 warps": {"_BWD_BLOCK": 128, "_BWD_WARPS": 4, "_UNIFORM": False},
+    "capped": {"_MAXNREG": 96},
 }
 
 
@@ -127,11 +118,12 @@ def _compile(spec) -> str:
         ops._SORT_MIN = 0
         tess = Tessellation((2,) * ndim)
         basis = cpa_basis(tess, "zero")
-        theta = 0.1 * torch.randn(2 if sort else 1, basis.d, device=DEV, requires_grad=True)
+        theta = (0.1 * torch.randn(2 if sort else 1, basis.d, device=DEV)).requires_grad_(True)
         pts = torch.rand(64, ndim, device=DEV).expand(theta.shape[0], -1, -1)
-        A = cell_velocities(basis, theta) if module == "new" else basis.to_A(theta)
-        out = ops.cpab_integrate(pts, A, tess, t=1.0, steps=T, checkpoint_every=every)
-        out.sum().backward()
+        for point_grad in (False, True):  # the timed kernels take theta's gradient alone, the checks both
+            p = pts.detach().requires_grad_(point_grad)
+            A = cell_velocities(basis, theta) if module == "new" else basis.to_A(theta)
+            ops.cpab_integrate(p, A, tess, t=1.0, steps=T, checkpoint_every=every).sum().backward()
         sync()
     except Exception as error:
         return f"{spec} failed: {str(error).splitlines()[-1][:300]}"
@@ -197,14 +189,13 @@ def kernel_row(label, ops, variant, P, w, E, tess, every, reference) -> tuple[fl
     if variant is not None:
         use(variant)
     order = ops.point_order(P, tess)
-    kw = {"record": new.records_for(T, every)} if ops is new else {}
-    out, ck = ops.cpab_fwd(P, E, tess, T, every, order, **kw)
+    out, ck = ops.cpab_fwd(P, E, tess, T, every, order)
     check = ""
     if reference is not None:
         gp, gE = ops.cpab_bwd(P, ck, w, E, tess, T, every, True, True, order)
         rel = [((g - r).abs().max() / r.abs().max()).item() for g, r in zip((gp, gE), reference[1:], strict=True)]
         check = f" (end points equal {torch.equal(out, reference[0])}, grads rel {rel[0]:.1e} / {rel[1]:.1e})"
-    fwd = ms(lambda: ops.cpab_fwd(P, E, tess, T, every, order, **kw))
+    fwd = ms(lambda: ops.cpab_fwd(P, E, tess, T, every, order))
     bwd = ms(lambda: ops.cpab_bwd(P, ck, w, E, tess, T, every, True, False, order))
     print(f"{label}: forward kernel {fwd:.3f} ms, backward kernel {bwd:.3f} ms{check}", flush=True)
     return fwd, bwd

@@ -135,44 +135,37 @@ def test_long_checkpoint_spacing(ndim, which, every):
 
 
 @pytest.mark.parametrize("ndim", [2, 3])
-@pytest.mark.parametrize("uniform,forward_record", [(False, True), (True, True), (False, False)])
 @pytest.mark.usefixtures("same_step_matrices")
-def test_known_cells(ndim, uniform, forward_record, monkeypatch):
-    """A slow flow, where no point changes cell twice within a sub-segment's window (its 5 steps and the next one's
-    first) and some change once: the backward kernel recomputes its sub-segments but the last with the cells noted
-    while it computed its register checkpoints (or, with ``forward_record``, noted by the forward kernel, and then
-    computes the register checkpoints with them too; no program has a point that changes twice), with ``uniform``
-    also skipping the moment flushes program-wide, and gives gradients bit-equal to those it gives
-    looking every cell up (same positions, cells and, in the interpreter, atomics), and equal to the torch path's."""
+def test_flush_skip(ndim, monkeypatch):
+    """A slow flow in programs of 16 points, so that at most steps no point of a program changes cell (and at some one
+    does): the backward kernel that skips the moment flush program-wide at those steps (``_UNIFORM``) gives the same
+    gradients as the one that flushes at every step (bit-equal in the interpreter, where the atomics add in order),
+    equal to the torch path's."""
     import regkit_kernels.cpab.ops as ops
 
+    monkeypatch.setattr(ops, "_INTERPRETER_BLOCK", 16)
     basis, theta, _ = case(ndim, 0, "zero", torch.float64, _device())
-    theta = (0.2 if ndim == 2 else 0.3) * theta
+    theta = (0.2 if ndim == 2 else 1.0) * theta
     torch.manual_seed(ndim)
-    points = torch.rand(2, 120 if ndim == 2 else 400, ndim, dtype=torch.float64, device=theta.device)
-    steps = 20
-    trajectory = integrate_trajectory(points, basis.to_A(theta), basis.tess, t=1.0, steps=steps)
-    cells = basis.tess.locate(trajectory)
-    changed = cells[1:] != cells[:-1]  # changed[s - 1]: c_s != c_{s - 1}
-    assert max(changed[j : j + 5].sum(0).max().item() for j in range(0, steps - 5, 5)) == 1
-    assert changed[:-1].sum() >= 10
-    grad = torch.randn(points.shape, dtype=torch.float64)
+    points = torch.rand(2, 48, ndim, dtype=torch.float64, device=theta.device)
+    steps = 10
+    cells = basis.tess.locate(integrate_trajectory(points, basis.to_A(theta), basis.tess, t=1.0, steps=steps))
+    changed = (cells[1:] != cells[:-1]).reshape(steps, 2, 3, 16).any(-1)  # per step, batch element and program
+    assert changed.any() and not changed.all()
+    grad = torch.randn(points.shape, dtype=torch.float64, device=theta.device)
     want = _gradients(points, theta, basis, grad, "torch", steps, 4)
-    monkeypatch.setattr(ops, "_RECORD", 0)
-    monkeypatch.setattr(ops, "_UNIFORM", False)
-    looked_up = _gradients(points, theta, basis, grad, "triton", steps, steps)
-    monkeypatch.setattr(ops, "_RECORD", 10)
-    monkeypatch.setattr(ops, "_UNIFORM", uniform)
-    monkeypatch.setattr(ops, "_FWD_RECORD", forward_record)
-    got = _gradients(points, theta, basis, grad, "triton", steps, steps)
-    assert torch.equal(got[0], looked_up[0]) and torch.equal(got[1], looked_up[1])
+    results = []
+    for uniform in (False, True):
+        monkeypatch.setattr(ops, "_UNIFORM", uniform)
+        results.append(_gradients(points, theta, basis, grad, "triton", steps, steps))
+    flushing, skipping = results
+    assert torch.equal(skipping[0], want[0]) and torch.equal(skipping[1], flushing[1])
     if points.is_cuda:  # the moments' float atomics add in another order
-        _assert_close(got[2], looked_up[2], "dL/dtheta")
+        _assert_close(skipping[2], flushing[2], "dL/dtheta")
     else:
-        assert torch.equal(got[2], looked_up[2])
-    assert torch.equal(got[0], want[0])
-    _assert_close(got[1], want[1], "dL/dpoints")
-    _assert_close(got[2], want[2], "dL/dtheta")
+        assert torch.equal(skipping[2], flushing[2])
+    _assert_close(skipping[1], want[1], "dL/dpoints")
+    _assert_close(skipping[2], want[2], "dL/dtheta")
 
 
 @pytest.mark.gpu
@@ -248,6 +241,7 @@ def test_cell_velocities_equal_to_A(ndim, boundary, batched):
         basis, theta, _ = case(ndim, which, boundary, torch.float64, _device())
         theta = theta if batched else theta[0]
         grad = torch.randn((*theta.shape[:-1], basis.tess.n_cells, ndim, ndim + 1), dtype=torch.float64)
+        grad = grad.to(theta.device)
         for dtype, tol in ((torch.float64, 1e-13), (torch.float32, 1e-6)):
             th = theta.to(dtype).requires_grad_(True)
             want = basis.to_A(th)
@@ -310,22 +304,20 @@ from triton.compiler import ASTSource
 from regkit_kernels.cpab.expm import _step_matrices_kernel, _step_matrices_vjp_kernel
 from regkit_kernels.cpab.kernels import _cpab_bwd_kernel, _cpab_fwd_kernel
 
-bwd = {"SEG": 5, "MOMENTS": True, "UNIFORM": False}
-odd = {"DIVIDE": True, "PERMUTED": False}  # boxes whose extents are not powers of two, points in their own order
-unit_sorted = {"DIVIDE": False, "PERMUTED": True}
 point_kernels = [
-    (_cpab_fwd_kernel, {"SEG": 5, "REC": 0, **odd}),
-    (_cpab_fwd_kernel, {"SEG": 5, "REC": 9, **unit_sorted}),
-    (_cpab_bwd_kernel, {**bwd, "SLOTS": 1, "REC": 0, "FWD_REC": False, "POINTS": True, **odd}),
-    (_cpab_bwd_kernel, {**bwd, "SLOTS": 2, "REC": 1, "FWD_REC": False, "POINTS": True, **odd}),
-    (_cpab_bwd_kernel, {**bwd, "SLOTS": 10, "REC": 9, "FWD_REC": True, "POINTS": False, **unit_sorted}),
+    (_cpab_fwd_kernel, {"DIVIDE": True, "PERMUTED": False}),
+    (_cpab_fwd_kernel, {"DIVIDE": False, "PERMUTED": True}),
+    (_cpab_bwd_kernel, {"SEG": 5, "SLOTS": 1, "UNIFORM": False, "MOMENTS": True, "POINTS": True, "DIVIDE": True,
+                        "PERMUTED": False}),
+    (_cpab_bwd_kernel, {"SEG": 5, "SLOTS": 10, "UNIFORM": True, "MOMENTS": True, "POINTS": False, "DIVIDE": False,
+                        "PERMUTED": True}),
 ]
 for kernel, consts in point_kernels + [(_step_matrices_kernel, {"DEG": 12}), (_step_matrices_vjp_kernel, {"DEG": 12})]:
     for ndim in (2, 3):
         start = time.perf_counter()
         constexprs = {"NDIM": ndim, "BLOCK": 128, **consts}
         signature = {
-            name: "constexpr" if name in constexprs else "*i32" if name in ("perm_ptr", "rec_ptr") else
+            name: "constexpr" if name in constexprs else "*i32" if name == "perm_ptr" else
             "*fp32" if name.endswith("_ptr") else
             "fp32" if name in ("h0", "h1", "h2") else "i32"
             for name in kernel.arg_names

@@ -121,13 +121,6 @@ def _affine_row(e0, e1, e2, e3, x0, x1, x2, NDIM: tl.constexpr):
 def _step(e_batch, x0, x1, x2, geo, NX, NY, NDIM: tl.constexpr, DIVIDE: tl.constexpr):
     """One scheme step: the new points and the cells the step used."""
     cell = _locate(x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
-    x0, x1, x2 = _apply(e_batch, cell, x0, x1, x2, NDIM)
-    return x0, x1, x2, cell
-
-
-@triton.jit
-def _apply(e_batch, cell, x0, x1, x2, NDIM: tl.constexpr):
-    """``E_cell [x; 1]``: a scheme step in a known cell."""
     e = e_batch + cell * (4 * NDIM)
     p0, p1, p2, p3 = _load_row(e)
     q0, q1, q2, q3 = _load_row(e + 4)
@@ -136,7 +129,7 @@ def _apply(e_batch, cell, x0, x1, x2, NDIM: tl.constexpr):
     if NDIM == 3:
         r0, r1, r2, r3 = _load_row(e + 8)
         x2 = _affine_row(r0, r1, r2, r3, x0, x1, x2, NDIM)
-    return y0, y1, x2
+    return y0, y1, x2, cell
 
 
 @triton.jit
@@ -182,29 +175,15 @@ def _cell_kernel(x_ptr, geom_ptr, out_ptr, N, NX, NY, NDIM: tl.constexpr, DIVIDE
     tl.store(out_ptr + idx, _locate(x0, x1, x2, _geometry(geom_ptr, NDIM), NX, NY, NDIM, DIVIDE), mask=ok)
 
 
-@triton.jit
-def _record(bits, prev, cell, j, k, REC: tl.constexpr):
-    """Note a cell change at step ``k`` of the backward's sub-segment ``j`` (``k = SEG``: the first step of ``j + 1``)
-    in the 3-bit field ``j`` of ``bits``: 0 = none yet, ``k`` (1 .. SEG) = one change, before step ``k``; 7 = more
-    than one. Only the first ``REC`` sub-segments are recorded (the others count as 7 when read)."""
-    shift = 3 * tl.minimum(tl.maximum(j, 0), REC - 1)
-    field = (bits >> shift) & 7
-    new = tl.where(field == 0, k, 7)
-    return tl.where((cell != prev) & (j >= 0) & (j < REC), bits + ((new - field) << shift), bits)
-
-
 @triton.jit(do_not_specialize=_SIZES)
 def _cpab_fwd_kernel(
-    x_ptr, x_batch_stride, perm_ptr, e_ptr, geom_ptr, out_ptr, ckpt_ptr, rec_ptr, B, N, C, NX, NY, T, K,
-    NDIM: tl.constexpr, SEG: tl.constexpr, REC: tl.constexpr, DIVIDE: tl.constexpr, PERMUTED: tl.constexpr,
-    BLOCK: tl.constexpr,
+    x_ptr, x_batch_stride, perm_ptr, e_ptr, geom_ptr, out_ptr, ckpt_ptr, B, N, C, NX, NY, T, K, NDIM: tl.constexpr,
+    DIVIDE: tl.constexpr, PERMUTED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """``out (B, N, NDIM)`` = the points after ``T`` steps; ``ckpt (S - 1, B, N, NDIM)`` = the positions after K, 2K,
     ... steps. ``x_ptr`` rows are contiguous, ``x_batch_stride`` apart (0 for points shared by the batch). With
     ``PERMUTED``, lane ``i`` works on point ``perm[i]`` (points and ``out`` are read and written at that row, the
-    checkpoints are kept in lane order). With ``REC > 0`` (one stored segment, ``K >= T``), ``rec (B, N)`` int32 (lane
-    order) = the backward kernel's cell-change record of its first ``REC`` sub-segments of ``SEG`` steps
-    (``_record``), which spares it the cell lookups of its register checkpoints."""
+    checkpoints are kept in lane order)."""
     b = tl.program_id(1).to(tl.int64)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < N
@@ -213,22 +192,11 @@ def _cpab_fwd_kernel(
     x0, x1, x2 = _load_points(x_ptr + b * x_batch_stride, p, ok, NDIM)
     e_batch = e_ptr + b * C * (4 * NDIM)
     S = tl.cdiv(T, K)
-    bits = tl.zeros([BLOCK], tl.int32)
-    if REC > 0:  # one segment; a change before step s = SEG w + k (k = 1 .. SEG) falls in sub-segment w
-        x0, x1, x2, prev = _step(e_batch, x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
-        for w in range(tl.cdiv(T - 1, SEG)):
-            for k in tl.static_range(1, SEG + 1):
-                if SEG * w + k < T:
-                    x0, x1, x2, cell = _step(e_batch, x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
-                    bits = _record(bits, prev, cell, w, k, REC)
-                    prev = cell
-        tl.store(rec_ptr + b * N + idx, bits, mask=ok)
-    else:
-        for seg in range(S):
-            if seg > 0:
-                _store_points(ckpt_ptr + ((seg - 1) * B + b) * N * NDIM, idx, x0, x1, x2, ok, NDIM)
-            for _ in range(tl.minimum(K, T - seg * K)):
-                x0, x1, x2, _cell = _step(e_batch, x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
+    for seg in range(S):
+        if seg > 0:
+            _store_points(ckpt_ptr + ((seg - 1) * B + b) * N * NDIM, idx, x0, x1, x2, ok, NDIM)
+        for _ in range(tl.minimum(K, T - seg * K)):
+            x0, x1, x2, _cell = _step(e_batch, x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
     _store_points(out_ptr + b * N * NDIM, p, x0, x1, x2, ok, NDIM)
 
 
@@ -258,6 +226,17 @@ def _select(j, slots, SLOTS: tl.constexpr):
 
 
 @triton.jit
+def _flushed(mom_ptr, cell, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM: tl.constexpr):
+    """:func:`_flush`, then the flushed points' moment registers zeroed (they start on their new cell)."""
+    _flush(mom_ptr, cell, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM)
+    a0, a1, a2 = tl.where(changed, 0.0, a0), tl.where(changed, 0.0, a1), tl.where(changed, 0.0, a2)
+    a3, a4, a5 = tl.where(changed, 0.0, a3), tl.where(changed, 0.0, a4), tl.where(changed, 0.0, a5)
+    a6, a7, a8 = tl.where(changed, 0.0, a6), tl.where(changed, 0.0, a7), tl.where(changed, 0.0, a8)
+    a9, a10, a11 = tl.where(changed, 0.0, a9), tl.where(changed, 0.0, a10), tl.where(changed, 0.0, a11)
+    return a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11
+
+
+@triton.jit
 def _moments(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, l0, l1, l2, x0, x1, x2, NDIM: tl.constexpr):
     """``a += lambda [x; 1]^T`` (row-major ``NDIM x (NDIM + 1)`` in the first 6 / 12 registers), fused multiply-adds."""
     if NDIM == 2:
@@ -272,10 +251,9 @@ def _moments(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, l0, l1, l2, x0, x
 
 @triton.jit(do_not_specialize=_SIZES)
 def _cpab_bwd_kernel(
-    x_ptr, x_batch_stride, perm_ptr, ckpt_ptr, rec_ptr, g_ptr, e_ptr, geom_ptr, gx_ptr, mom_ptr, B, N, C, NX, NY, T,
-    K, NDIM: tl.constexpr, SEG: tl.constexpr, SLOTS: tl.constexpr, REC: tl.constexpr, FWD_REC: tl.constexpr,
-    UNIFORM: tl.constexpr, MOMENTS: tl.constexpr, POINTS: tl.constexpr, DIVIDE: tl.constexpr, PERMUTED: tl.constexpr,
-    BLOCK: tl.constexpr,
+    x_ptr, x_batch_stride, perm_ptr, ckpt_ptr, g_ptr, e_ptr, geom_ptr, gx_ptr, mom_ptr, B, N, C, NX, NY, T, K,
+    NDIM: tl.constexpr, SEG: tl.constexpr, SLOTS: tl.constexpr, UNIFORM: tl.constexpr, MOMENTS: tl.constexpr,
+    POINTS: tl.constexpr, DIVIDE: tl.constexpr, PERMUTED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The adjoint sweep: ``lambda_T = g``, then for ``s = T - 1 .. 0``: ``dL/dE_{c_s} += lambda_{s+1} [x_s; 1]^T``
     and ``lambda_s = E_lin(c_s)^T lambda_{s+1}``. Writes, when ``POINTS``, ``gx = lambda_0 (B, N, NDIM)`` and, when
@@ -286,16 +264,6 @@ def _cpab_bwd_kernel(
     sub-segments are taken last first: the ``SEG`` positions and cells of a sub-segment are recomputed (bit-identical
     to the forward, so the same cells ``c_s``) into registers (tuples, unrolled: ``SEG`` is a compile-time constant),
     then swept backward.
-
-    Known cells (``REC > 0``): while it computes the register checkpoints, the kernel notes per point and sub-segment
-    (the first ``REC``) whether the cells of its steps and of the next sub-segment's first step change at most once
-    (``_record``). A sub-segment where that holds for every point of the program is recomputed without the cell lookup:
-    its cells are the cell of its first position up to the change and the cell of the next sub-segment's first
-    position from then on (both looked up once), and the positions are the same products and sums, so bit-identical.
-    With ``FWD_REC`` (one stored segment) the forward kernel has made the record (``rec (B, N)``, lane order) and the
-    register checkpoints are computed with it too: each sub-segment looks its first cell up, then a point looks up
-    again only at its recorded change (every step where it changes more than once), and the program only at the steps
-    where one of its points does.
 
     A point's moment is accumulated in registers while it stays in one cell and added to the table (one vector of
     atomics per row) when its cell changes, and once at the end; with ``UNIFORM`` the flush and the reset are skipped
@@ -328,60 +296,20 @@ def _cpab_bwd_kernel(
         # Tuples grown by concatenation (Triton's code generator takes no starred elements). Steps past the end of a
         # short last segment are computed and not used.
         c0, c1, c2 = (x0,), (x1,), (x2,)
-        if FWD_REC:
-            bits = tl.load(rec_ptr + b * N + idx, mask=ok, other=0)
-        else:
-            bits = tl.zeros([BLOCK], tl.int32)
-        prev = tl.full([BLOCK], -1, tl.int32)
-        for slot in tl.static_range(1, SLOTS):
-            if FWD_REC:
-                if slot - 1 < REC:
-                    field = (bits >> (3 * (slot - 1))) & 7
-                else:
-                    field = tl.full([BLOCK], 7, tl.int32)
-                cell = _locate(x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
-                for step_in_slot in range(SEG):
-                    if step_in_slot > 0:
-                        look = (field == 7) | (field == step_in_slot)
-                        if tl.max(look.to(tl.int32), axis=0) > 0:
-                            cell = tl.where(look, _locate(x0, x1, x2, geo, NX, NY, NDIM, DIVIDE), cell)
-                    x0, x1, x2 = _apply(e_batch, cell, x0, x1, x2, NDIM)
-            else:
-                for step_in_slot in range(SEG):
-                    x0, x1, x2, cell = _step(e_batch, x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
-                    if REC > 0:
-                        first_step = step_in_slot == 0
-                        window = tl.where(first_step, slot - 2, slot - 1)
-                        bits = _record(bits, prev, cell, window, tl.where(first_step, SEG, step_in_slot), REC)
-                        prev = cell
+        for _slot in tl.static_range(1, SLOTS):
+            for _step_in_slot in range(SEG):
+                x0, x1, x2, _cell = _step(e_batch, x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
             c0, c1, c2 = c0 + (x0,), c1 + (x1,), c2 + (x2,)  # type: ignore[assignment]  # noqa: RUF005
-        if REC > 0 and SLOTS > 1 and not FWD_REC:
-            bits = _record(bits, prev, _locate(x0, x1, x2, geo, NX, NY, NDIM, DIVIDE), SLOTS - 2, SEG, REC)
         subsegments = tl.cdiv(length, SEG)
-        after = current  # the cell of the first position of sub-segment j + 1 (set before it is read)
         for jj in range(subsegments):
             j = subsegments - 1 - jj
             sublength = tl.minimum(SEG, length - j * SEG)
             x0, x1, x2 = _select(j, c0, SLOTS), _select(j, c1, SLOTS), _select(j, c2, SLOTS)
-            first = _locate(x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
-            known = False
-            change = bits
-            if REC > 0:
-                change = (bits >> (3 * tl.minimum(j, REC - 1))) & 7
-                known = (j < subsegments - 1) & (j < REC) & (tl.max(change, axis=0) < 7)
-                change = tl.where(change == 0, SEG, change)
             xs0, xs1, xs2, cells = (), (), (), ()
-            for k in tl.static_range(SEG):
+            for _step_in_sub in tl.static_range(SEG):
                 xs0, xs1, xs2 = xs0 + (x0,), xs1 + (x1,), xs2 + (x2,)  # type: ignore[assignment]  # noqa: RUF005
-                if k == 0:
-                    cell = first
-                elif known:
-                    cell = tl.where(k < change, first, after)
-                else:
-                    cell = _locate(x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
-                x0, x1, x2 = _apply(e_batch, cell, x0, x1, x2, NDIM)
+                x0, x1, x2, cell = _step(e_batch, x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
                 cells = cells + (cell,)  # type: ignore[assignment]  # noqa: RUF005
-            after = first
             for k in tl.static_range(SEG - 1, -1, -1):
                 if k < sublength:
                     x0, x1, x2, cell = xs0[k], xs1[k], xs2[k], cells[k]
@@ -390,68 +318,13 @@ def _cpab_bwd_kernel(
                         changed = cell != current
                         if UNIFORM:
                             if tl.max(changed.to(tl.int32), axis=0) > 0:
-                                _flush(
-                                    mom_batch,
-                                    current,
-                                    changed,
-                                    ok,
-                                    a0,
-                                    a1,
-                                    a2,
-                                    a3,
-                                    a4,
-                                    a5,
-                                    a6,
-                                    a7,
-                                    a8,
-                                    a9,
-                                    a10,
-                                    a11,
+                                a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11 = _flushed(
+                                    mom_batch, current, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11,
                                     NDIM,
-                                )
-                                a0, a1, a2 = (
-                                    tl.where(changed, 0.0, a0),
-                                    tl.where(changed, 0.0, a1),
-                                    tl.where(changed, 0.0, a2),
-                                )
-                                a3, a4, a5 = (
-                                    tl.where(changed, 0.0, a3),
-                                    tl.where(changed, 0.0, a4),
-                                    tl.where(changed, 0.0, a5),
-                                )
-                                a6, a7, a8 = (
-                                    tl.where(changed, 0.0, a6),
-                                    tl.where(changed, 0.0, a7),
-                                    tl.where(changed, 0.0, a8),
-                                )
-                                a9, a10, a11 = (
-                                    tl.where(changed, 0.0, a9),
-                                    tl.where(changed, 0.0, a10),
-                                    tl.where(changed, 0.0, a11),
-                                )
+                                )  # fmt: skip
                         else:
-                            _flush(
+                            a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11 = _flushed(
                                 mom_batch, current, changed, ok, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, NDIM
-                            )
-                            a0, a1, a2 = (
-                                tl.where(changed, zero, a0),
-                                tl.where(changed, zero, a1),
-                                tl.where(changed, zero, a2),
-                            )
-                            a3, a4, a5 = (
-                                tl.where(changed, zero, a3),
-                                tl.where(changed, zero, a4),
-                                tl.where(changed, zero, a5),
-                            )
-                            a6, a7, a8 = (
-                                tl.where(changed, zero, a6),
-                                tl.where(changed, zero, a7),
-                                tl.where(changed, zero, a8),
-                            )
-                            a9, a10, a11 = (
-                                tl.where(changed, zero, a9),
-                                tl.where(changed, zero, a10),
-                                tl.where(changed, zero, a11),
                             )
                         current = cell
                         a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11 = _moments(

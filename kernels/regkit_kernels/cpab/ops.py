@@ -24,18 +24,15 @@ from regkit_kernels.cpab.kernels import _cell_kernel, _cpab_bwd_kernel, _cpab_fw
 
 _BLOCK = 128  # points per program of the forward kernel on the GPU (one per thread with 4 warps)
 _NUM_WARPS = 4
-# The backward kernel's programs are one warp: its program-wide decisions (a sub-segment with known cells, a step
-# without moment flushes) are then per warp, reductions over a program are warp shuffles (over 4 warps they take a
-# barrier: every 5 steps on the grid, 1.90 -> 2.40 ms when the flush skip took one per step) and divergence costs only
-# the warp's own points. 32 programs of one warp per SM (the hardware's limit) are what the registers allow anyway.
+# The backward kernel's programs are one warp, with the program-wide flush skip (``_UNIFORM``): a reduction over a
+# program is then a few warp shuffles (over 4 warps it takes a barrier) and a flush is skipped per warp. On the H200
+# (registration grid, 16^3 cells, checkpoints every 5 steps) the backward kernel took 1.55 ms so, 1.72-1.79 with
+# programs of 4 warps without the skip, 2.40 with 4 warps and the skip (capped at 96 registers: 1.90, 1.75, 2.40).
 _BWD_BLOCK = 32
 _BWD_WARPS = 1
-_RECORD = 10  # sub-segments per stored segment whose cells the backward kernel notes (0: look every cell up)
 _UNIFORM = True  # the backward kernel skips the moment flush program-wide at steps where no point changes cell
-_FWD_RECORD = True  # without checkpoints the forward kernel records the cell changes (4 bytes a point) for the backward
-# Register cap of the float32 backward kernel (None: ptxas's choice). On the H200 the cap of 96 (5 programs of 128
-# threads per SM for the 3D kernel with register checkpoints) made the grid's backward with checkpoints every 5 steps
-# slower: 1.90 ms against 1.72 uncapped.
+# Register cap of the float32 backward kernel (None: ptxas's choice). Session 4's cap of 96 (for 5 programs of 128
+# threads per SM) made the grid's backward with checkpoints every 5 steps slower on the H200: 1.90 ms against 1.72.
 _MAXNREG: int | None = None
 _INTERPRETER_BLOCK = 1 << 12  # under TRITON_INTERPRET=1 every program costs Python overhead: few, large ones
 _DTYPES = (torch.float32, torch.float64)
@@ -149,13 +146,7 @@ def point_order(points: Tensor, tess: Box) -> Tensor | None:
 
 
 def cpab_fwd(
-    points: Tensor,
-    E: Tensor,
-    tess: Box,
-    steps: int,
-    checkpoint_every: int,
-    order: Tensor | None = None,
-    record: bool = False,
+    points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: int, order: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """The expm-step scheme for ``steps`` steps with step matrices ``E (B, C, n, n + 1)`` (or in padded rows,
     ``expm.padded_rows``) from ``points (B, N, n)``
@@ -163,41 +154,20 @@ def cpab_fwd(
     checkpoints ``(S - 1, B, N, n)``: the positions after ``K, 2K, ...`` steps, ``S = ceil(steps / K)`` (the backward
     pass takes the points themselves for the first segment; ``K >= steps`` stores none). ``order`` (int32 ``(N,)``, a
     permutation, :func:`point_order`) assigns the points to the kernel's lanes; the checkpoints are kept in its order
-    (pass the same to :func:`cpab_bwd`). With ``record`` (and :func:`records_for` true) the checkpoints are instead
-    the backward kernel's cell-change record ``(B, N)`` int32 (4 bytes a point), which :func:`cpab_bwd` takes in the
-    place of checkpoints."""
+    (pass the same to :func:`cpab_bwd`)."""
     _check(points, E, tess, steps, checkpoint_every)
     B, N, n = points.shape
     points, E = _rows(points), padded_rows(E)
     geometry, divide = _geometry(tess, points.dtype, points.device)
     out = points.new_empty((B, N, n))
-    rec = _recorded(steps, checkpoint_every) if record else 0
-    if rec:
-        checkpoints = torch.empty((B, N), dtype=torch.int32, device=points.device)
-    else:
-        checkpoints = points.new_empty((-(-steps // checkpoint_every) - 1, B, N, n))
+    checkpoints = points.new_empty((-(-steps // checkpoint_every) - 1, B, N, n))
     grid, block, nx, ny = _launch_args(points, tess, _BLOCK)
     _cpab_fwd_kernel[grid](
-        points, points.stride(0), points if order is None else order, E, geometry, out,
-        points if rec else _or(checkpoints, points), checkpoints if rec else points,
+        points, points.stride(0), points if order is None else order, E, geometry, out, _or(checkpoints, points),
         B, N, E.shape[1], nx, ny, steps, checkpoint_every,
-        NDIM=n, SEG=_SEGMENT, REC=rec, DIVIDE=divide, PERMUTED=order is not None, BLOCK=block, num_warps=_NUM_WARPS,
-        enable_fp_fusion=False,
+        NDIM=n, DIVIDE=divide, PERMUTED=order is not None, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return out, checkpoints
-
-
-def _recorded(steps: int, checkpoint_every: int) -> int:
-    """How many sub-segments the backward kernel's cell-change record covers: with one stored segment longer than a
-    sub-segment, ``min(ceil(steps / 5) - 1, _RECORD)``; else 0 (nothing to record)."""
-    if checkpoint_every < steps or steps <= _SEGMENT:
-        return 0
-    return min(-(-steps // _SEGMENT) - 1, _RECORD)
-
-
-def records_for(steps: int, checkpoint_every: int) -> bool:
-    """Whether the forward pass records cell changes for the backward (``_FWD_RECORD``, one stored segment)."""
-    return _FWD_RECORD and _recorded(steps, checkpoint_every) > 0
 
 
 def cpab_bwd(
@@ -213,8 +183,7 @@ def cpab_bwd(
     order: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """The fused factorized adjoint for ``grad_out = dL/dx_T (B, N, n)``, given the forward pass's points and
-    checkpoints (every ``checkpoint_every`` steps, as :func:`cpab_fwd` stores them, or its int32 cell-change record):
-    returns, when ``point_grad``,
+    checkpoints (every ``checkpoint_every`` steps, as :func:`cpab_fwd` stores them): returns, when ``point_grad``,
     ``dL/dpoints (B, N, n)`` and, when ``moments``, ``dL/dE (B, C, n, 4)`` in padded rows (the per-cell moments
     ``sum lambda_{s+1} [x_s; 1]^T``; float atomics, so the summation order varies between runs). The kernel sweeps
     sub-segments of ``min(checkpoint_every, 5)`` unrolled steps; longer stored segments are first recomputed into
@@ -227,18 +196,14 @@ def cpab_bwd(
     grad_points = torch.empty_like(grad_out) if point_grad else None
     grad_E = torch.zeros_like(E) if moments else None
     segment = min(checkpoint_every, _SEGMENT)
-    slots = -(-checkpoint_every // segment)
-    recorded = checkpoints.dtype == torch.int32
-    rec = _recorded(steps, checkpoint_every) if recorded else min(slots - 1, _RECORD)
     grid, block, nx, ny = _launch_args(grad_out, tess, _BWD_BLOCK)
     _cpab_bwd_kernel[grid](
-        points, points.stride(0), points if order is None else order, points if recorded else _or(checkpoints, points),
-        checkpoints if recorded else points, grad_out, E, geometry,
+        points, points.stride(0), points if order is None else order, _or(checkpoints, points), grad_out, E, geometry,
         grad_out if grad_points is None else grad_points, E if grad_E is None else grad_E,
         B, N, E.shape[1], nx, ny, steps, checkpoint_every,
-        NDIM=n, SEG=segment, SLOTS=slots, REC=rec, FWD_REC=recorded, UNIFORM=_UNIFORM and moments,
-        MOMENTS=moments, POINTS=point_grad, DIVIDE=divide, PERMUTED=order is not None, BLOCK=block,
-        num_warps=_BWD_WARPS, enable_fp_fusion=False,
+        NDIM=n, SEG=segment, SLOTS=-(-checkpoint_every // segment), UNIFORM=_UNIFORM and moments, MOMENTS=moments,
+        POINTS=point_grad, DIVIDE=divide, PERMUTED=order is not None, BLOCK=block, num_warps=_BWD_WARPS,
+        enable_fp_fusion=False,
         maxnreg=_MAXNREG if E.dtype == torch.float32 else None,
     )  # fmt: skip
     return grad_points, grad_E
@@ -259,8 +224,7 @@ class CPABIntegrateTriton(torch.autograd.Function):
     def forward(ctx: Any, points: Tensor, A: Tensor, tess: Box, t: float, steps: int, checkpoint_every: int) -> Tensor:
         E = step_matrices(A, t / steps)
         order = point_order(points, tess)
-        record = records_for(steps, checkpoint_every) and any(ctx.needs_input_grad[:2])
-        out, checkpoints = cpab_fwd(points, E, tess, steps, checkpoint_every, order, record)
+        out, checkpoints = cpab_fwd(points, E, tess, steps, checkpoint_every, order)
         ctx.save_for_backward(points, A, E, checkpoints, order)
         ctx.tess, ctx.h, ctx.steps, ctx.checkpoint_every = tess, t / steps, steps, checkpoint_every
         return out
