@@ -468,15 +468,22 @@ def _run_cpab(ctx: _Context, index: int, stage: CpabStage, matrix: np.ndarray, f
                 start_points = level.fixed_world
                 for earlier in [*flows, *new_flows]:
                     start_points = earlier.transform_world(start_points)
+                # once per level: the points in the flow's domain, and one matrix from there to the moving world
+                start_points = flow.world_to_domain(start_points)
+                to_moving = m @ flow.domain_to_world_matrix(m)
 
             prior = _stage_prior(flow, stage)
             parametrize.register_parametrization(flow, "theta", _Unwhiten(flow, prior))
             z = flow.get_parameter("parametrizations.theta.original")
 
             def objective(
-                level: _Level = level, flow: CPAB = flow, start_points: torch.Tensor = start_points, z=z
+                level: _Level = level,
+                flow: CPAB = flow,
+                start_points: torch.Tensor = start_points,
+                to_moving: torch.Tensor = to_moving,
+                z=z,
             ) -> tuple[torch.Tensor, torch.Tensor]:
-                moved = _linear_points(m, flow.transform_world(start_points))
+                moved = _linear_points(to_moving, flow.transform_points(start_points))
                 sim = _loss_on_level(level, similarity, moved)
                 if stage.prior.weight == 0:
                     return sim, sim

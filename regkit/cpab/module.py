@@ -142,6 +142,17 @@ class CPAB(torch.nn.Module):
         origin, direction = self._frame(world)
         return (world - origin) @ direction
 
+    def domain_to_world_matrix(self, like: torch.Tensor) -> torch.Tensor:
+        """The homogeneous ``(n + 1, n + 1)`` matrix of :meth:`domain_to_world` (``[[R, o], [0, 1]]``), in ``like``'s
+        dtype and device, for composing it with other affine maps."""
+        origin, direction = self._frame(like)
+        n = direction.shape[0]
+        matrix = torch.zeros((n + 1, n + 1), dtype=like.dtype, device=like.device)
+        matrix[:n, :n] = direction
+        matrix[:n, n] = origin
+        matrix[n, n] = 1.0
+        return matrix
+
     def domain_to_world(self, points: torch.Tensor) -> torch.Tensor:
         """Domain points ``(..., n)`` -> LPS world points ``(..., n)``: ``o + R p``."""
         origin, direction = self._frame(points)

@@ -47,6 +47,9 @@ def test_for_grid_frame_round_trips_and_box_spans_the_voxel_edges(ndim: int) -> 
     world = grid.world_points(F64)
     domain = cpab.world_to_domain(world)
     torch.testing.assert_close(cpab.domain_to_world(domain), world)
+    matrix = cpab.domain_to_world_matrix(world)  # the same map as one homogeneous matrix
+    torch.testing.assert_close(domain @ matrix[:ndim, :ndim].T + matrix[:ndim, ndim], world)
+    assert matrix[ndim].tolist() == [0.0] * ndim + [1.0]
     spacing = torch.tensor(grid.spacing, dtype=F64)
     torch.testing.assert_close(domain, grid.index_points(F64) * spacing)  # voxel centre i at i * spacing
     corners = grid.index_to_world(torch.tensor([[-0.5] * ndim, [s - 0.5 for s in grid.size]], dtype=F64))
