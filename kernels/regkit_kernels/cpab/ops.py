@@ -26,8 +26,8 @@ _BLOCK = 128  # points per program of the forward kernel on the GPU (one per thr
 _NUM_WARPS = 4
 # The backward kernel's programs are one warp, with the program-wide flush skip (``_UNIFORM``): a reduction over a
 # program is then a few warp shuffles (over 4 warps it takes a barrier) and a flush is skipped per warp. On the H200
-# (registration grid, 16^3 cells, checkpoints every 5 steps) the backward kernel took 1.55 ms so, 1.72-1.79 with
-# programs of 4 warps without the skip, 2.40 with 4 warps and the skip (capped at 96 registers: 1.90, 1.75, 2.40).
+# (registration grid, 16^3 cells, checkpoints every 5 steps) the backward kernel took 1.55 ms so; with programs of 4
+# warps and no skip 1.72-1.79 (1.88-1.90 capped at 96 registers); capped, one warp with the skip 1.75, 4 warps 2.40.
 _BWD_BLOCK = 32
 _BWD_WARPS = 1
 _UNIFORM = True  # the backward kernel skips the moment flush program-wide at steps where no point changes cell
