@@ -48,7 +48,10 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from regkit._backend import BackendError, load_kernels, resolve_backend
 from regkit.cpab.tessellation import Tessellation
+
+_TO_A_FACES = ("torch", "triton")  # the basis map: PyTorch, or one fused Triton kernel each way (CUDA)
 
 BOUNDARY_MODES = ("zero", "normal", "free")
 
@@ -285,12 +288,19 @@ class CPABasis:
             return nodal
         return torch.linalg.lstsq(reduction, nodal.unsqueeze(-1)).solution.squeeze(-1)
 
-    def to_A(self, theta: torch.Tensor) -> torch.Tensor:
+    def to_A(self, theta: torch.Tensor, backend: str = "auto") -> torch.Tensor:
         """Per-cell affine maps ``(C, n, n + 1)`` (or ``(B, C, n, n + 1)``) for theta ``(d,)`` (or ``(B, d)``).
 
-        Equals ``B @ theta`` reshaped; same dtype and device as theta; differentiable.
+        Equals ``B @ theta`` reshaped; same dtype and device as theta; differentiable. ``backend``: ``"torch"`` (the
+        nodal form: gather the cells' corner velocities, one ``einsum``), ``"triton"`` (``regkit_kernels.cpab``'s
+        ``cell_velocities``: one kernel each way; not for volume-preserving bases) or ``"auto"`` (triton for CUDA
+        tensors where it applies and its kernels import, else torch).
         """
         self._check_theta(theta)
+        if self.reduction is not None and backend == "triton":
+            raise BackendError("backend 'triton' of the basis map does not support volume-preserving bases")
+        if self.reduction is None and resolve_backend(backend, theta.device, "cpab", faces=_TO_A_FACES) == "triton":
+            return load_kernels("cpab").cell_velocities(self, theta)
         _, _, ids, inverse, _ = self._factors(theta.dtype, theta.device)
         corner_velocities = self.vertex_velocities(theta)[..., ids, :]  # (..., C, n + 1, n)
         return torch.einsum("...cka,ckm->...cam", corner_velocities, inverse)

@@ -162,7 +162,8 @@ class CPAB(torch.nn.Module):
 
     def cell_matrices(self) -> torch.Tensor:
         """The per-cell velocity matrices ``A = to_A(theta)``: ``(C, n, n + 1)`` or ``(B, C, n, n + 1)``."""
-        return self.basis.to_A(self.theta)
+        # the basis map has one PyTorch face: the integration's reference and torch faces both take it
+        return self.basis.to_A(self.theta, backend=self.backend if self.backend in ("auto", "triton") else "torch")
 
     def _flat(self, points: torch.Tensor, per_batch: bool) -> tuple[torch.Tensor, tuple[int, ...]]:
         """Points as ``(N, n)`` (shared) or ``(B, N, n)``; and the result's leading shape."""

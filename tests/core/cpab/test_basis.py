@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from regkit._backend import BackendError
 from regkit.cpab.basis import BOUNDARY_MODES, CPABasis, constraint_matrix, cpa_basis, dense_svd_basis
 from regkit.cpab.tessellation import Tessellation
 
@@ -251,3 +252,21 @@ def test_cuda_matches_cpu() -> None:
         assert torch.allclose(basis.project(A).cpu().double(), basis.project(A.cpu().double()), atol=1e-4)
         points = torch.rand(4, 100, 3, dtype=dtype, device="cuda")
         assert basis.velocity(theta.to(dtype).cuda(), points).is_cuda
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_to_A_triton_face_equals_the_torch_face(batched):
+    """The fused basis map (Triton's interpreter here) against the PyTorch face, forward and gradient; auto keeps the
+    PyTorch face on the CPU, and volume-preserving bases refuse the fused one."""
+    pytest.importorskip("triton")
+    basis = cpa_basis(Tessellation((3, 2, 2), (0.0, 0.0, 0.0), (2.0, 3.0, 1.5)), "zero")
+    theta = torch.randn((2, basis.d) if batched else (basis.d,), dtype=torch.float64, requires_grad=True)
+    fused = basis.to_A(theta, backend="triton")
+    torch.testing.assert_close(fused, basis.to_A(theta, backend="torch"))
+    grad = torch.randn_like(fused)
+    (g_fused,) = torch.autograd.grad(fused, theta, grad)
+    (g_torch,) = torch.autograd.grad(basis.to_A(theta), theta, grad)
+    torch.testing.assert_close(g_fused, g_torch)
+    preserving = cpa_basis(Tessellation((2, 2)), "zero", volume_preserving=True)
+    with pytest.raises(BackendError, match="volume-preserving"):
+        preserving.to_A(torch.zeros(preserving.d), backend="triton")
