@@ -259,8 +259,10 @@ def test_to_A_triton_face_equals_the_torch_face(batched):
     """The fused basis map (Triton's interpreter here) against the PyTorch face, forward and gradient; auto keeps the
     PyTorch face on the CPU, and volume-preserving bases refuse the fused one."""
     pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs Triton's interpreter (conftest)
     basis = cpa_basis(Tessellation((3, 2, 2), (0.0, 0.0, 0.0), (2.0, 3.0, 1.5)), "zero")
-    theta = torch.randn((2, basis.d) if batched else (basis.d,), dtype=torch.float64, requires_grad=True)
+    shape = (2, basis.d) if batched else (basis.d,)
+    theta = torch.randn(shape, dtype=torch.float64, device=device, requires_grad=True)
     fused = basis.to_A(theta, backend="triton")
     torch.testing.assert_close(fused, basis.to_A(theta, backend="torch"))
     grad = torch.randn_like(fused)
