@@ -18,7 +18,7 @@ def test_bench_cpab_quick_prints_and_writes_tables(tmp_path: Path) -> None:
     for text in ("2D, batch 2", "3D, batch 2", "factorized", "unrolled autograd", "forward sensitivity", "gradient"):
         assert text in result.output
     markdown = out.read_text()
-    header = "| tessellation | d | method | forward ms | gradient ms | total ms | peak MiB | G pt-steps/s | first s |"
+    header = "| tessellation | d | method | forward ms | gradient ms | total ms | graphed ms | peak MiB | G pt-steps/s"
     assert header in markdown
     assert markdown.count("| 2x2 | 10 |") == 3
     assert "time grows with N and T" in markdown

@@ -16,7 +16,8 @@ scheme (``regkit.cpab.integrate``; ``zero`` boundary, float32, checkpoints every
 Tables: 2D and 3D over tessellation sizes, every method; on CUDA the 6.9M-point registration grid (fused and
 factorized); a head-to-head of the gradients against forward sensitivity (2D 30x30, batch 2 on CUDA: time and memory
 ratios); the N and T sweep. ``--methods`` picks the methods (the comparison always adds forward sensitivity).
-The "G pt-steps/s" column is ``B N T`` scheme steps per second of the forward pass.
+The "G pt-steps/s" column is ``B N T`` scheme steps per second of the forward pass; "graphed" (fused methods, CUDA)
+is the forward + backward replayed from a CUDA graph, as the registration engine runs its iterations.
 
 Timing: the best of a few runs, synchronised on CUDA. "gradient" is the backward pass for the adjoint methods and the
 whole sensitivity integration for forward sensitivity (its forward column is the plain no-grad forward). Peak memory,
@@ -225,13 +226,47 @@ def _measure(case: Case, budget_s: float) -> dict[str, Any]:
     start = time.perf_counter()
     while len(timings) < _MAX_RUNS and time.perf_counter() - start < budget_s:
         timings.append(run(points, weights))
+    graphed_s = None
+    if cuda and case.method in _FUSED:  # the engine replays its iterations from CUDA graphs: time that too
+
+        def step() -> None:
+            th = theta.clone().requires_grad_(True)
+            out = integrate(points, basis.to_A(th), tess, steps=case.steps, backend=backend, checkpoint_every=every)
+            (out * weights).sum().backward()
+
+        graphed_s = _graphed_seconds(step)
     return {
         "d": basis.d,
         "forward_s": min(t[0] for t in timings),
         "gradient_s": min(t[1] for t in timings),
+        "graphed_s": graphed_s,
         "peak_bytes": peak,
         "first_s": first_s,
     }
+
+
+def _graphed_seconds(step: Any, reps: int = 10) -> float:
+    """Best time of ``step`` (CUDA work only, no host synchronisation) replayed from a CUDA graph: the GPU's own time,
+    without Python, autograd and launch overhead."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, lazy initialisation)
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def _worker() -> None:
@@ -320,14 +355,16 @@ def _ms(seconds: float) -> str:
 
 def _cells(result: dict[str, Any], case: Case) -> list[str]:
     if "skipped" in result:
-        return [result["skipped"], "", "", "", "", ""]
+        return [result["skipped"], "", "", "", "", "", ""]
     total = result["forward_s"] + result["gradient_s"]
     points = prod(REGISTRATION_GRID) if case.grid else case.points
     rate = case.batch * points * case.steps / result["forward_s"] / 1e9
+    graphed = result.get("graphed_s")
     return [
         _ms(result["forward_s"]),
         _ms(result["gradient_s"]),
         _ms(total),
+        "" if graphed is None else _ms(graphed),
         mib(result["peak_bytes"]),
         f"{rate:.3g}",
         f"{result['first_s']:.1f}",
@@ -378,8 +415,10 @@ def cpab(
         f"runs; peak memory in MiB above the inputs ({memory}); gradient = the backward pass, or for forward "
         "sensitivity the whole sensitivity integration; first s = the first (warm-up) call on 64 points, which "
         "includes compiling the fused kernels when Triton's cache is cold; skipped (cap) = predicted over the time or "
-        "memory cap; G pt-steps/s = B N T scheme steps per second of the forward column. The fused methods run on "
-        "CUDA only; 'fused, no checkpoints' stores none (checkpoint_every = T)."
+        "memory cap; graphed = forward + backward (with to_A, the loss and its backward) replayed from a CUDA graph, "
+        "as the registration engine runs its iterations: the GPU's own time (fused methods); G pt-steps/s = B N T "
+        "scheme steps per second of the forward column. The fused methods run on CUDA only; 'fused, no checkpoints' "
+        "stores none (checkpoint_every = T)."
     )
     console.print(settings)
     flags = f"--device {device.value}{' --quick' if quick else ''}{'' if threads is None else f' --threads {threads}'}"
@@ -389,7 +428,8 @@ def cpab(
     runnable = [m for m in METHODS if m in chosen and (m not in _FUSED or device is Device.cuda)]
     if not runnable:
         raise typer.BadParameter(f"none of {', '.join(chosen)} runs on {device.value}", param_hint="--methods")
-    header = ["tessellation", "d", "method", "forward ms", "gradient ms", "total ms", "peak MiB", "G pt-steps/s"]
+    header = ["tessellation", "d", "method", "forward ms", "gradient ms", "total ms", "graphed ms", "peak MiB"]
+    header.append("G pt-steps/s")
     header.append("first s")
     for ndim, (batch, points, cell_counts) in plan.sizes.items():
         rows = []
