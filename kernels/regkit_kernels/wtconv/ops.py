@@ -197,7 +197,8 @@ def _plan(shape: tuple[int, ...], levels: int, k: int, device: torch.device) -> 
     for j in range(1, levels):  # element offsets of the low-passes of levels 1..L-1 in their buffer
         offsets.append(offsets[-1] + planes * counts[j])
     for first in range(0, levels - 1, _LOWPASS_DEPTH):
-        depth, unit, sides = min(_LOWPASS_DEPTH, levels - 1 - first), 2 ** min(_LOWPASS_DEPTH, levels - 1 - first), []
+        depth = min(_LOWPASS_DEPTH, levels - 1 - first)
+        unit, sides = 2**depth, list[int]()
         for n in reversed(sizes[first]):  # x, y(, z): each side takes what the tile budget leaves
             sides.insert(0, _side(n, unit, max(unit, min(64 if cuda else budget, budget // math.prod(sides)))))
         np_ = min(max(1, budget // math.prod(sides)), _pow2(planes))
