@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -125,6 +126,15 @@ class _Model(BaseModel):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def _odd(window: int) -> int:
+    if window % 2 == 0:
+        raise _invalid(f"must be odd (got {window})")
+    return window
+
+
+_OddWindow = Annotated[int, AfterValidator(_odd)]  # a window side in voxels: odd
+
+
 class MseSimilarity(_Model):
     """Mean squared intensity difference; for images of one modality with matching intensity scales."""
 
@@ -141,14 +151,9 @@ class LnccSimilarity(_Model):
     """Local normalized cross-correlation over a sliding cubic (square in 2D) window; robust to intensity bias."""
 
     name: Literal["lncc"] = Field(default="lncc", description="Similarity measure: local normalized cross-correlation.")
-    window: int = Field(default=9, ge=3, description="Side of the window in voxels of the current pyramid level; odd.")
-
-    @field_validator("window")
-    @classmethod
-    def _odd(cls, window: int) -> int:
-        if window % 2 == 0:
-            raise _invalid(f"must be odd (got {window})")
-        return window
+    window: _OddWindow = Field(
+        default=9, ge=3, description="Side of the window in voxels of the current pyramid level; odd."
+    )
 
 
 class MiSimilarity(_Model):
@@ -192,14 +197,7 @@ class FeaturesSimilarity(_Model):
         "features carry the anatomy across contrasts, the intensities its voxel-scale detail where the contrasts "
         "are related (0: features alone).",
     )
-    lncc_window: int = Field(default=9, ge=3, description="Window of that local NCC term in voxels; odd.")
-
-    @field_validator("lncc_window")
-    @classmethod
-    def _odd(cls, window: int) -> int:
-        if window % 2 == 0:
-            raise _invalid(f"must be odd (got {window})")
-        return window
+    lncc_window: _OddWindow = Field(default=9, ge=3, description="Window of that local NCC term in voxels; odd.")
 
     @field_validator("weights")
     @classmethod

@@ -240,6 +240,18 @@ ERRORS = {
         "stages[0].similarity.window",
         "must be odd",
     ),
+    "even features lncc window": (
+        "stages:\n  - type: cpab\n    similarity: {name: features, lncc_weight: 1.0, lncc_window: 4}\n",
+        3,
+        "stages[0].similarity.lncc_window",
+        "must be odd (got 4)",
+    ),
+    "negative features lncc weight": (
+        "stages:\n  - type: cpab\n    similarity: {name: features, lncc_weight: -1.0}\n",
+        3,
+        "stages[0].similarity.lncc_weight",
+        "must be >= 0",
+    ),
     "literal": (
         f"stages:\n{AFFINE}    optimizer: {{name: adamw}}\n",
         4,
