@@ -24,6 +24,7 @@ import torch
 from regkit.cpab.basis import cpa_basis
 from regkit.cpab.integrate import _step_matrices_vjp, integrate, step_matrices
 from regkit.cpab.tessellation import Tessellation
+from regkit_cli.bench._common import graphed_seconds
 from regkit_kernels.cpab import cpab_bwd, cpab_fwd
 from regkit_kernels.cpab import ops as fused_ops
 from regkit_kernels.cpab import step_matrices as fused_step_matrices
@@ -105,17 +106,8 @@ def ms(fn: Callable[[], object], reps: int = 10) -> float:
 
 
 def graph_ms(fn: Callable[[], object], reps: int = 10) -> float:
-    """ms of ``fn`` replayed from a CUDA graph (the GPU's time: no host launch overhead)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return ms(graph.replay, reps)
+    """ms of ``fn`` replayed from a CUDA graph (the GPU's time: no host launch overhead), as ``regkit bench cpab``."""
+    return 1e3 * graphed_seconds(fn, reps)
 
 
 def timings(shape: tuple[int, ...], batch: int, points: int = 125_000) -> None:

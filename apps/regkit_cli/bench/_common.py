@@ -1,7 +1,9 @@
-"""Helpers shared by the ``regkit bench`` commands: memory readings, table rendering, device description."""
+"""Helpers shared by the ``regkit bench`` commands: memory readings, table rendering, device description, CUDA-graph
+timing."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 MiB = 2**20
@@ -45,3 +47,27 @@ def device_name(device: str) -> str:
         return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     cpu, threads = platform.processor() or platform.machine(), torch.get_num_threads()
     return f"CPU {cpu} ({threads} thread{'' if threads == 1 else 's'}), torch {torch.__version__}"
+
+
+def graphed_seconds(step: Any, reps: int = 10) -> float:
+    """Best time of ``step`` (CUDA work only, no host synchronisation) replayed from a CUDA graph: the GPU's own time,
+    without Python, autograd and launch overhead."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, lazy initialisation)
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times)

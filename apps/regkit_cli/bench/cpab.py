@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from regkit_cli.bench._common import device_name, mib, render, rss_bytes
+from regkit_cli.bench._common import device_name, graphed_seconds, mib, render, rss_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -234,7 +234,7 @@ def _measure(case: Case, budget_s: float) -> dict[str, Any]:
             out = integrate(points, basis.to_A(th), tess, steps=case.steps, backend=backend, checkpoint_every=every)
             (out * weights).sum().backward()
 
-        graphed_s = _graphed_seconds(step)
+        graphed_s = graphed_seconds(step)
     return {
         "d": basis.d,
         "forward_s": min(t[0] for t in timings),
@@ -243,30 +243,6 @@ def _measure(case: Case, budget_s: float) -> dict[str, Any]:
         "peak_bytes": peak,
         "first_s": first_s,
     }
-
-
-def _graphed_seconds(step: Any, reps: int = 10) -> float:
-    """Best time of ``step`` (CUDA work only, no host synchronisation) replayed from a CUDA graph: the GPU's own time,
-    without Python, autograd and launch overhead."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, lazy initialisation)
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        graph.replay()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def _worker() -> None:
