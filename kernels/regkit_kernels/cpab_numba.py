@@ -7,8 +7,8 @@ module docstring first): ``T`` steps ``x <- E_c [x; 1]`` with ``c = tess.locate(
 ``expm(h [A_c; 0])``, in domain coordinates, (x, y[, z]) order. Per point it reproduces the PyTorch path's arithmetic
 operation by operation in the points' dtype (the same cell lookup, the same evaluation order, no fused multiply-adds),
 so from the same step matrices it gives bit-identical positions. The step matrices themselves are computed here in
-float64 (scaling and squaring of a Taylor series) and rounded to the points' dtype, so they differ from
-``torch.linalg.matrix_exp``'s by about one rounding.
+float64 (scaling and squaring of a Taylor series, 8 cells side by side in SIMD lanes) and rounded to the points'
+dtype, so they differ from ``torch.linalg.matrix_exp``'s by about one rounding.
 
 Backward (the factorized adjoint): each point's trajectory is recomputed from its start into a small per-thread buffer
 (no checkpoints in memory: on the CPU a step costs little next to a pass over memory), then swept backward: the
@@ -34,7 +34,7 @@ from regkit_kernels._numba import use_torch_threads
 _TAYLOR_DEGREE = 12
 _TAYLOR_NORM = 0.25  # scale the linear part of h Ã by 2^-s until its 1-norm is at most this: degree 12 then leaves
 # a truncation error below 1e-17
-_CELL_CHUNK = 256  # cells per task of the matrix-exponential kernels
+_LANES = 8  # cells computed side by side (SIMD lanes, innermost) by the matrix-exponential kernels
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -42,30 +42,34 @@ _CELL_CHUNK = 256  # cells per task of the matrix-exponential kernels
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, inline="always")
 def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """``out = a @ b`` lane by lane for ``(m, m, _LANES)`` arrays (the lanes innermost: one SIMD operation each)."""
     m = a.shape[0]
     for i in range(m):
         for j in range(m):
-            acc = 0.0
+            for w in range(_LANES):
+                out[i, j, w] = 0.0
             for k in range(m):
-                acc += a[i, k] * b[k, j]
-            out[i, j] = acc
+                for w in range(_LANES):
+                    out[i, j, w] += a[i, k, w] * b[k, j, w]
 
 
 @numba.njit(cache=True)
 def _squarings(X: np.ndarray) -> int:
-    """The number of squarings ``s`` that brings the 1-norm of ``X``'s leading ``(m - 1) x (m - 1)`` block (the
-    linear part of an affine generator, or of its transpose) to at most ``_TAYLOR_NORM``. The series of
-    ``exp([[L, b], [0, 0]])`` and of its transpose converge at the rate set by ``L`` alone (the ``b`` part of ``X^k``
-    is ``L^(k-1) b``), so the translation, however large in domain units, costs no squarings."""
+    """The number of squarings ``s`` that brings the 1-norm of the leading ``(m - 1) x (m - 1)`` block of every lane
+    of ``X (m, m, _LANES)`` (the linear part of an affine generator, or of its transpose) to at most
+    ``_TAYLOR_NORM``. The series of ``exp([[L, b], [0, 0]])`` and of its transpose converge at the rate set by ``L``
+    alone (the ``b`` part of ``X^k`` is ``L^(k-1) b``), so the translation, however large in domain units, costs no
+    squarings. One count for all lanes: more squarings than a lane needs change its result only by rounding."""
     m = X.shape[0]
     norm = 0.0
-    for j in range(m - 1):
-        col = 0.0
-        for i in range(m - 1):
-            col += abs(X[i, j])
-        norm = max(norm, col)
+    for w in range(_LANES):
+        for j in range(m - 1):
+            col = 0.0
+            for i in range(m - 1):
+                col += abs(X[i, j, w])
+            norm = max(norm, col)
     if norm <= _TAYLOR_NORM:
         return 0
     return math.ceil(math.log2(norm / _TAYLOR_NORM))
@@ -80,50 +84,62 @@ def _all_zero(values: np.ndarray) -> bool:
 
 
 @numba.njit(cache=True)
-def _largest(M: np.ndarray) -> float:
-    out = 0.0
-    for i in range(M.shape[0]):
-        for j in range(M.shape[1]):
-            out = max(out, abs(M[i, j]))
-    return out
+def _converged(term: np.ndarray, total: np.ndarray, tol: float) -> bool:
+    """Whether, in every lane, the largest entry of ``term`` is at most ``tol`` times the largest of ``total``."""
+    m = term.shape[0]
+    for w in range(_LANES):
+        largest_term = 0.0
+        largest_total = 0.0
+        for i in range(m):
+            for j in range(m):
+                largest_term = max(largest_term, abs(term[i, j, w]))
+                largest_total = max(largest_total, abs(total[i, j, w]))
+        if largest_term > tol * largest_total:
+            return False
+    return True
 
 
 @numba.njit(cache=True)
-def _expm_frechet(X: np.ndarray, G: np.ndarray, P: np.ndarray, Q: np.ndarray, work: np.ndarray, tol: float) -> None:
-    """``P = expm(X)`` and, when ``G`` is not empty, ``Q = L(X, G)``, the Frechet derivative of ``expm`` at ``X`` in
-    the direction ``G`` (float64 ``(m, m)``, ``X`` an affine generator or its transpose). Taylor series of ``X / 2^s``
-    and its derivative (``T_k = Y T_{k-1} / k``, ``D_k = (Y D_{k-1} + G' T_{k-1}) / k``), up to degree
-    ``_TAYLOR_DEGREE`` or until the terms fall below ``tol`` of the sums (the precision the caller keeps), then
-    ``s`` squarings ``(P, Q) <- (P P, P Q + Q P)``. ``work``: scratch ``(4, m, m)``."""
+def _expm_frechet(
+    X: np.ndarray, G: np.ndarray, P: np.ndarray, Q: np.ndarray, work: np.ndarray, tol: float, frechet: bool
+) -> None:
+    """For each of the ``_LANES`` lanes of ``X (m, m, _LANES)`` (float64, an affine generator or its transpose):
+    ``P = expm(X)`` and, when ``frechet``, ``Q = L(X, G)``, the Frechet derivative of ``expm`` at ``X`` in the
+    direction ``G``. Taylor series of ``X / 2^s`` and its derivative (``T_k = Y T_{k-1} / k``, ``D_k = (Y D_{k-1} +
+    G' T_{k-1}) / k``, ``G' = G / 2^s``), up to degree ``_TAYLOR_DEGREE`` or until every lane's terms fall below
+    ``tol`` of its sums (the precision the caller keeps), then ``s`` squarings ``(P, Q) <- (P P, P Q + Q P)``.
+    ``work``: scratch ``(5, m, m, _LANES)``."""
     m = X.shape[0]
-    frechet = G.shape[0] > 0
     s = _squarings(X)
     scale = 0.5**s
-    Y, term, dterm, tmp = work[0], work[1], work[2], work[3]
+    Y, term, dterm, tmp, Gs = work[0], work[1], work[2], work[3], work[4]
     for i in range(m):
         for j in range(m):
-            Y[i, j] = X[i, j] * scale
-            term[i, j] = 1.0 if i == j else 0.0
-            P[i, j] = term[i, j]
-            if frechet:
-                dterm[i, j] = 0.0
-                Q[i, j] = 0.0
+            for w in range(_LANES):
+                Y[i, j, w] = X[i, j, w] * scale
+                term[i, j, w] = 1.0 if i == j else 0.0
+                P[i, j, w] = term[i, j, w]
+                if frechet:
+                    Gs[i, j, w] = G[i, j, w] * scale
+                    dterm[i, j, w] = 0.0
+                    Q[i, j, w] = 0.0
     for k in range(1, _TAYLOR_DEGREE + 1):
+        inverse = 1.0 / k
         if frechet:  # D_k from D_{k-1} and T_{k-1}: before T_k overwrites T_{k-1}
             _matmul(Y, dterm, tmp)
+            _matmul(Gs, term, dterm)
             for i in range(m):
                 for j in range(m):
-                    acc = tmp[i, j]
-                    for c in range(m):
-                        acc += G[i, c] * scale * term[c, j]
-                    dterm[i, j] = acc / k
-                    Q[i, j] += dterm[i, j]
+                    for w in range(_LANES):
+                        dterm[i, j, w] = (dterm[i, j, w] + tmp[i, j, w]) * inverse
+                        Q[i, j, w] += dterm[i, j, w]
         _matmul(Y, term, tmp)
         for i in range(m):
             for j in range(m):
-                term[i, j] = tmp[i, j] / k
-                P[i, j] += term[i, j]
-        if _largest(term) <= tol * _largest(P) and (not frechet or _largest(dterm) <= tol * _largest(Q)):
+                for w in range(_LANES):
+                    term[i, j, w] = tmp[i, j, w] * inverse
+                    P[i, j, w] += term[i, j, w]
+        if _converged(term, P, tol) and (not frechet or _converged(dterm, Q, tol)):
             break
     for _ in range(s):
         if frechet:
@@ -131,57 +147,63 @@ def _expm_frechet(X: np.ndarray, G: np.ndarray, P: np.ndarray, Q: np.ndarray, wo
             _matmul(Q, P, term)
             for i in range(m):
                 for j in range(m):
-                    Q[i, j] = tmp[i, j] + term[i, j]
+                    for w in range(_LANES):
+                        Q[i, j, w] = tmp[i, j, w] + term[i, j, w]
         _matmul(P, P, tmp)
         for i in range(m):
             for j in range(m):
-                P[i, j] = tmp[i, j]
+                for w in range(_LANES):
+                    P[i, j, w] = tmp[i, j, w]
 
 
 @numba.njit(parallel=True, cache=True)
 def _step_matrices_kernel(A: np.ndarray, h: float, E: np.ndarray, tol: float) -> None:
-    """``E[c] = expm(h [A_c; 0])[:n]`` for ``A (K, n, n + 1)`` float64, ``E`` in any float dtype."""
+    """``E[c] = expm(h [A_c; 0])[:n]`` for ``A (K, n, n + 1)`` float64, ``E`` in any float dtype; ``_LANES`` cells at
+    a time (lanes past ``K`` hold zeros)."""
     K, n, m = A.shape
-    for chunk in numba.prange((K + _CELL_CHUNK - 1) // _CELL_CHUNK):
-        X = np.zeros((m, m))
-        P = np.empty((m, m))
-        work = np.empty((4, m, m))
-        none = np.empty((0, 0))
-        for c in range(chunk * _CELL_CHUNK, min(K, (chunk + 1) * _CELL_CHUNK)):
+    for block in numba.prange((K + _LANES - 1) // _LANES):
+        X = np.zeros((m, m, _LANES))
+        P = np.empty((m, m, _LANES))
+        work = np.empty((5, m, m, _LANES))
+        first = block * _LANES
+        for w in range(min(_LANES, K - first)):
             for i in range(n):
                 for j in range(m):
-                    X[i, j] = h * A[c, i, j]
-            _expm_frechet(X, none, P, none, work, tol)
+                    X[i, j, w] = h * A[first + w, i, j]
+        _expm_frechet(X, X, P, P, work, tol, False)
+        for w in range(min(_LANES, K - first)):
             for i in range(n):
                 for j in range(m):
-                    E[c, i, j] = P[i, j]
+                    E[first + w, i, j] = P[i, j, w]
 
 
 @numba.njit(parallel=True, cache=True)
-def _step_matrices_vjp_kernel(A: np.ndarray, h: float, grad_E: np.ndarray, grad_A: np.ndarray, tol: float) -> None:
+def _step_matrices_vjp_kernel(
+    A: np.ndarray, h: float, grad_E: np.ndarray, cells: np.ndarray, grad_A: np.ndarray, tol: float
+) -> None:
     """``dL/dA`` from ``dL/dE`` for ``E = expm(h [A; 0])[:n]``: ``h L((h Ã)^T, [dL/dE; 0])[:n]``, float64
-    ``(K, n, m)``."""
-    K, n, m = A.shape
-    for chunk in numba.prange((K + _CELL_CHUNK - 1) // _CELL_CHUNK):
-        X = np.zeros((m, m))
-        G = np.zeros((m, m))
-        P = np.empty((m, m))
-        Q = np.empty((m, m))
-        work = np.empty((4, m, m))
-        for c in range(chunk * _CELL_CHUNK, min(K, (chunk + 1) * _CELL_CHUNK)):
-            if _all_zero(grad_E[c].ravel()):  # the adjoint is linear in dL/dE: cells no point moved through
-                for i in range(n):
-                    for j in range(m):
-                        grad_A[c, i, j] = 0.0
-                continue
+    ``(K, n, m)``, for the ``cells`` listed (the others' rows of ``grad_A`` are left alone), ``_LANES`` at a time."""
+    _, n, m = A.shape
+    count = cells.shape[0]
+    for block in numba.prange((count + _LANES - 1) // _LANES):
+        X = np.zeros((m, m, _LANES))
+        G = np.zeros((m, m, _LANES))
+        P = np.empty((m, m, _LANES))
+        Q = np.empty((m, m, _LANES))
+        work = np.empty((5, m, m, _LANES))
+        first = block * _LANES
+        for w in range(min(_LANES, count - first)):
+            c = cells[first + w]
             for i in range(n):
                 for j in range(m):
-                    X[j, i] = h * A[c, i, j]
-                    G[i, j] = grad_E[c, i, j]
-            _expm_frechet(X, G, P, Q, work, tol)
+                    X[j, i, w] = h * A[c, i, j]
+                    G[i, j, w] = grad_E[c, i, j]
+        _expm_frechet(X, G, P, Q, work, tol, True)
+        for w in range(min(_LANES, count - first)):
+            c = cells[first + w]
             for i in range(n):
                 for j in range(m):
-                    grad_A[c, i, j] = h * Q[i, j]
+                    grad_A[c, i, j] = h * Q[i, j, w]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -358,8 +380,10 @@ def step_matrices_vjp(A: torch.Tensor, h: float, grad_E: torch.Tensor) -> torch.
     use_torch_threads()
     flat_A = A.detach().reshape(-1, *A.shape[-2:]).to(torch.float64).contiguous()
     flat_grad = grad_E.reshape(flat_A.shape).to(torch.float64).contiguous()
-    out = torch.empty_like(flat_A)
-    _step_matrices_vjp_kernel(flat_A.numpy(), float(h), flat_grad.numpy(), out.numpy(), _tolerance(A.dtype))
+    out = torch.zeros_like(flat_A)
+    # the adjoint is linear in dL/dE: cells no point moved through keep zeros
+    cells = flat_grad.flatten(1).ne(0).any(1).nonzero()[:, 0].numpy()
+    _step_matrices_vjp_kernel(flat_A.numpy(), float(h), flat_grad.numpy(), cells, out.numpy(), _tolerance(A.dtype))
     return out.to(A.dtype).view(A.shape)
 
 
