@@ -21,8 +21,8 @@ def configure_process() -> None:
     * glibc's allocator keeps freed memory for reuse: blocks up to 32 MiB come from the heap instead of fresh
       ``mmap`` pages, and the heap is trimmed only past 1 GiB of free space. Each iteration of a registration allocates
       and frees image-sized buffers; by default every one of them comes back as new zeroed pages, whose page faults
-      took about a third of the local NCC's time on a 2 mm brain. Skipped where the C library has no ``mallopt``
-      or ``MALLOC_*`` variables are set.
+      cost the local NCC's forward a quarter of its time on a 2 mm brain (``docs/benchmarks/cpu_pieces.py``). Skipped
+      where the C library has no ``mallopt`` or ``MALLOC_*`` variables are set.
     """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if not sys.platform.startswith("linux") or any(name.startswith("MALLOC_") for name in os.environ):
