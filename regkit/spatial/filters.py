@@ -48,9 +48,9 @@ def box_sum(image: torch.Tensor, window: int | Sequence[int], backend: str = "au
 
     ``window`` is odd, in voxels, in index order. ``backend``: ``"torch"`` computes each axis as a difference of
     cumulative sums (the cost does not depend on the window size); ``"numba"`` (CPU tensors,
-    ``regkit_kernels.filters_numba``) adds the window's voxels directly along x and keeps running sums of rows
-    along y and z, several times faster on the CPU; ``"auto"`` takes numba on the CPU where it imports. The filter is
-    self-adjoint, and its backward pass is the same box sum.
+    ``regkit_kernels.filters_numba``) keeps running sums along x and z and adds the buffered rows along y, in two
+    passes over memory, several times faster on the CPU; ``"auto"`` takes numba on the CPU where it imports. The
+    filter is self-adjoint, and its backward pass is the same box sum.
     """
     ndim = _check_image(image)
     sizes = tuple(int(k) for k in per_axis(window, ndim, "window"))
