@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
 from typer.testing import CliRunner
 
 from regkit_cli.main import app
@@ -19,6 +21,8 @@ def test_bench_wtconv_quick_prints_and_writes_tables(tmp_path: Path) -> None:
     assert "**(1, 2, 8, 6) L2 k3" in markdown and "**(1, 1, 4, 4, 3) L1 k3" in markdown
     for version in ("fused fp32", "fused bf16", "reference", "reference (cudnn.benchmark)", "depthwise conv"):
         assert markdown.count(f"| {version} |") == 2
+    for version in ("authors' layer", "authors' layer (cudnn.benchmark)"):  # 2D only
+        assert markdown.count(f"| {version} |") == 1
     assert "2D fused fp32 fwd+bwd: " in markdown and "geometric mean" in markdown
 
 
@@ -42,3 +46,20 @@ def test_fused_io_model_counts_every_launch() -> None:
     forward = lowpass + 4 * low + 2 * 4 * sub + 2 * 4 * n
     backward = lowpass + 2 * 4 * low + 2 * 4 * sub + 3 * 4 * n
     assert _fused_bytes(Case((2, 3, 8, 8), 2, 5), 4) == forward + backward
+
+
+@pytest.mark.parametrize(("shape", "levels", "k"), [((2, 3, 7, 7), 3, 3), ((1, 2, 57, 43), 5, 5)])
+def test_authors_layer_is_the_reference_layer(shape: tuple[int, ...], levels: int, k: int) -> None:
+    """The "authors' layer" baseline (Haar by strided and transposed grouped convolutions) computes the reference
+    layer: the same output and gradients from the same parameters, odd sizes included."""
+    from regkit_cli.bench.wtconv import Case, _build
+
+    case = Case(shape, levels, k)
+    (ref, x, grad), (authors, x2, grad2) = (_build(case, v, "cpu") for v in ("reference", "authors' layer"))
+    out, out2 = ref(x), authors(x2)
+    out.backward(grad)
+    out2.backward(grad2)
+    torch.testing.assert_close(out2, out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x2.grad, x.grad, atol=1e-5, rtol=1e-5)
+    for p, p2 in zip(ref.parameters(), authors.parameters(), strict=True):
+        torch.testing.assert_close(p2.grad, p.grad, atol=1e-4, rtol=1e-5)

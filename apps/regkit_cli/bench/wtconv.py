@@ -3,8 +3,9 @@
 Shapes: the WTConvNeXt-T stages at batch 64, kernel 5 ((64, 96, 56, 56) with 5 levels, (64, 192, 28, 28) with 4,
 (64, 384, 14, 14) with 3, (64, 768, 7, 7) with 2) and two 3D shapes of the registration feature network with 3 levels.
 Versions, all in this process: the fused kernels in float32 and bfloat16 (bfloat16 activations, float32 parameters),
-the reference layer with ``torch.backends.cudnn.benchmark`` off (PyTorch's default) and on, and a plain depthwise
-k x k convolution with bias (cuDNN autotuning on).
+the reference layer with ``torch.backends.cudnn.benchmark`` off (PyTorch's default) and on, the same layer computed
+the way the authors' code computes it (2D only: "authors' layer", :class:`_AuthorsLayer`), off and on, and a plain
+depthwise k x k convolution with bias (cuDNN autotuning on).
 
 * Times: CUDA events around each call after warm-up; the median of repeated runs. "forward" is the layer's call with
   gradients enabled (what a training step runs); "fwd+bwd" is that plus ``backward`` of a random output gradient.
@@ -47,7 +48,17 @@ if TYPE_CHECKING:
     import torch
 
 _MiB = 2**20
-_VERSIONS = ("fused fp32", "fused bf16", "reference", "reference (cudnn.benchmark)", "depthwise conv")
+_VERSIONS = (
+    "fused fp32",
+    "fused bf16",
+    "reference",
+    "reference (cudnn.benchmark)",
+    "authors' layer",
+    "authors' layer (cudnn.benchmark)",
+    "depthwise conv",
+)
+# Versions that run with cuDNN autotuning off (PyTorch's default); every other one runs with it on.
+_CUDNN_DEFAULT = ("reference", "authors' layer")
 
 
 @dataclass(frozen=True)
@@ -81,6 +92,52 @@ _QUICK = (Case((1, 2, 8, 6), 2, 3), Case((1, 1, 4, 4, 3), 1, 3))
 # ---- the versions --------------------------------------------------------------------------------------------------
 
 
+def _authors_layer(layer: Any) -> Any:
+    """A 2D WTConv layer computed the way the authors' code computes it (the formulation behind the paper's timings
+    and issue #6's anchors), on the parameters of ``layer`` (a ``regkit.features.WTConv2d``), with the same result.
+
+    The Haar analysis of a level is a stride-2 grouped convolution with the four fixed 2 x 2 filters per channel (the
+    output channel ``4 c + b`` is sub-band ``b`` of channel ``c``), its synthesis the transposed convolution with the
+    same filters (the orthonormal Haar matrix is symmetric); a level's four processed sub-bands are split into the
+    low-pass and the three high-passes, and the synthesis cascade concatenates them back level by level. Only
+    :func:`_build` uses it, for the "authors' layer" versions."""
+    import torch
+    import torch.nn.functional as F
+
+    class _AuthorsLayer(torch.nn.Module):
+        filters: torch.Tensor
+
+        def __init__(self, inner: Any) -> None:
+            super().__init__()
+            self.inner = inner
+            sign = torch.tensor([[1.0, 1.0], [1.0, -1.0]])  # low-pass, high-pass along one axis
+            bands = [0.5 * torch.outer(sign[b & 1], sign[b >> 1]) for b in range(4)]  # bit 0: y, bit 1: x
+            filters = torch.stack(bands)[:, None].repeat(inner.channels, 1, 1, 1)  # (4 C, 1, 2, 2)
+            self.register_buffer("filters", filters)
+
+        def forward(self, x: Any) -> Any:
+            inner, channels = self.inner, self.inner.channels
+            shapes, lows, highs = [], [], []
+            low = x
+            for conv, scale in zip(inner.wavelet_convs, inner.wavelet_scale, strict=True):
+                shapes.append(low.shape[2:])
+                if low.shape[2] % 2 or low.shape[3] % 2:
+                    low = F.pad(low, (0, low.shape[3] % 2, 0, low.shape[2] % 2))
+                bands = F.conv2d(low, self.filters, stride=2, groups=channels)
+                low = bands.unflatten(1, (channels, 4))[:, :, 0]
+                processed = (scale.weight * conv(bands)).unflatten(1, (channels, 4))
+                lows.append(processed[:, :, 0])
+                highs.append(processed[:, :, 1:])
+            reconstruction: Any = 0
+            for shape in reversed(shapes):
+                bands = torch.cat(((lows.pop() + reconstruction).unsqueeze(2), highs.pop()), dim=2).flatten(1, 2)
+                reconstruction = F.conv_transpose2d(bands, self.filters, stride=2, groups=channels)
+                reconstruction = reconstruction[:, :, : shape[0], : shape[1]]
+            return inner.base_scale.weight * inner.base_conv(x) + reconstruction
+
+    return _AuthorsLayer(layer)
+
+
 def _build(case: Case, version: str, device: str) -> tuple[Any, Any, Any]:
     """(module, x, output gradient) for one version, parameters drawn uniformly in [-1, 1] (seeded)."""
     import torch
@@ -98,6 +155,8 @@ def _build(case: Case, version: str, device: str) -> tuple[Any, Any, Any]:
     else:
         backend = "triton" if version.startswith("fused") else "reference"
         module = WTConv[case.ndim](channels, case.kernel, case.levels, backend=backend)
+        if version.startswith("authors'"):
+            module = _authors_layer(module)
     with torch.no_grad():
         for p in module.parameters():
             p.copy_(torch.rand(p.shape, generator=gen) * 2 - 1)
@@ -170,7 +229,7 @@ def _measure(case: Case, version: str, device: str, time_it: Callable[[Callable[
 
     cuda = device == "cuda"
     if cuda:
-        torch.backends.cudnn.benchmark = version != "reference"
+        torch.backends.cudnn.benchmark = version not in _CUDNN_DEFAULT
         torch.cuda.synchronize()
     base = torch.cuda.memory_allocated() if cuda else 0
     module, x, grad = _build(case, version, device)
@@ -341,7 +400,7 @@ def _summary(results: dict[tuple[Case, str], dict[str, Any]], cases: tuple[Case,
             continue
         listed = " / ".join(f"{t:.3g}" for t in fused)
         lines.append(f"2D fused fp32 {label}: {listed} ms, geometric mean {geomean(fused):.3g} ms.")
-        for version in ("reference", "reference (cudnn.benchmark)", "fused bf16", "depthwise conv"):
+        for version in _VERSIONS[1:]:
             other = [t for c in stages if (t := results.get((c, version), {}).get(key))]
             if len(other) == len(stages):
                 ratios = [o / f for o, f in zip(other, fused, strict=True)]
@@ -402,7 +461,7 @@ def wtconv(
     for case in cases:
         rows = []
         x_mib = math.prod(case.shape) * 4 / _MiB
-        for version in _VERSIONS:
+        for version in (v for v in _VERSIONS if case.ndim == 2 or not v.startswith("authors'")):
             if version.startswith("fused") and not fused_ok:
                 result: dict[str, Any] = {"skipped": "needs CUDA or TRITON_INTERPRET=1"}
             else:
