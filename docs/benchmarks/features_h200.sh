@@ -8,13 +8,14 @@
 #    writes .features/brain_labels.nii.gz (0.3 MB, the label map the training synthesises from) and copies the two ITK
 #    example slices of the 2D benchmark there (.features/ is git-ignored through .git/info/exclude), so that the device
 #    needs neither nilearn, nor its 5 MB of maps, nor Debian's insighttoolkit5-examples.
-# 2. On the device (`run`, carry [".whl", ".features"], timeout_s 480), ~5 minutes wall:
+# 2. On the device (`run`, kind nvidia-h200-x2, carry [".whl", ".features"], timeout_s 540), ~8 minutes wall:
 #        bash docs/benchmarks/features_h200.sh train
-#    trains the 2D and the 3D network at once (two processes on the one GPU, fused WTConv kernels, bfloat16 autocast),
-#    each stopping at its configured steps or after 210 s of training, whichever comes first, and writes to $OUT:
+#    trains the 2D and the 3D network at once (one process per GPU, fused WTConv kernels, bfloat16 autocast): 2D its
+#    first 424 steps (the shipped 2D weights, session 4), 3D its whole 2,800-step schedule (session 6: 426 s), and
+#    writes to $OUT:
 #    features-2d.pt, features-3d.pt (the weights), log-2d.csv, log-3d.csv (loss and samples/s per step), train-2d.txt,
 #    train-3d.txt (the commands' output). Then here: copy the two .pt files into regkit/data/ (their `meta` records the
-#    steps done; a run cut by the time limit says so in train-*.txt: "N/M steps"). The configurations train on
+#    steps done; train-*.txt ends with "N/M steps"). The configurations train on
 #    self-similarity inputs with local negatives (docs/benchmarks/features-cpu.md); their InfoNCE stays near its chance
 #    level (log 33 = 3.50 in 2D, log 105 = 4.65 in 3D) even for good features, so judge the weights by step 3 (ship them
 #    only if `features` beats the CPU-trained 2D weights' 1.31 mm there).
@@ -45,8 +46,10 @@ write_image(brain_labels(), '.features/brain_labels.nii.gz')"
 train)
     setup_device
     for dim in 2 3; do
-        "$PYTHON" -m regkit_cli.main train-features "features-${dim}d" -o "/tmp/features-${dim}d" --device cuda \
-            --labels .features/brain_labels.nii.gz --time-limit 210 >"$OUT/train-${dim}d.txt" 2>&1 &
+        stop=$([ "$dim" = 2 ] && echo "--stop-after 424" || true)
+        CUDA_VISIBLE_DEVICES=$((dim - 2)) "$PYTHON" -m regkit_cli.main train-features "features-${dim}d" \
+            -o "/tmp/features-${dim}d" --device cuda --labels .features/brain_labels.nii.gz $stop \
+            >"$OUT/train-${dim}d.txt" 2>&1 &
     done
     status=0
     for job in $(jobs -p); do wait "$job" || status=1; done
