@@ -16,7 +16,10 @@ def test_bench_wtconv_quick_prints_and_writes_tables(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["bench", "wtconv", "--quick", "--output", str(out)])
     assert result.exit_code == 0, result.output
     markdown = out.read_text()
-    header = "| version | forward ms | fwd+bwd ms | graphed ms | peak MiB | I/O MB | GB/s | of copy | first use s |"
+    header = (
+        "| version | forward ms | fwd+bwd ms | graphed ms | peak MiB | peak, sum loss | I/O MB | GB/s | of copy "
+        "| first use s |"
+    )
     assert header in markdown
     assert "**(1, 2, 8, 6) L2 k3" in markdown and "**(1, 1, 4, 4, 3) L1 k3" in markdown
     for version in ("fused fp32", "fused bf16", "reference", "reference (cudnn.benchmark)", "depthwise conv"):

@@ -13,7 +13,9 @@ depthwise k x k convolution with bias (cuDNN autotuning on).
   comparison stays like for like): the GPU's own time without Python and launch overhead, which is most of an eager
   step at the small stages.
 * Peak memory: ``torch.cuda.max_memory_allocated`` over one forward + backward, counting everything allocated for it,
-  the input x and output gradient included (x alone is given in each table's title).
+  the input x and output gradient included (x alone is given in each table's title). "peak, sum loss" is the same
+  for a step whose loss is the output's sum (``layer(x).sum().backward()``): no output gradient is allocated up front,
+  and the output is freed once summed, as in a training step whose next operation does not keep it.
 * I/O model: the bytes a version must move through HBM if every kernel reads its inputs once and writes its outputs
   once. For the fused kernels it is counted from their launches; for the PyTorch versions every ATen operator of the
   forward and backward passes is traced on the meta device and its tensor arguments and results are summed (view
@@ -245,6 +247,14 @@ def _measure(case: Case, version: str, device: str, time_it: Callable[[Callable[
         _step(module, x, grad)
         torch.cuda.synchronize()
         result["peak_bytes"] = torch.cuda.max_memory_allocated() - base
+        x.grad = None
+        module.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        module(x).sum().backward()
+        torch.cuda.synchronize()
+        unused = grad.numel() * grad.element_size()  # the prepared output gradient, idle in this step
+        result["peak_sum_bytes"] = torch.cuda.max_memory_allocated() - base - unused
         result["graph_ms"] = time_it(_graphed_step(module, x, grad))
     return result
 
@@ -349,10 +359,10 @@ def _fmt(value: float, digits: int = 3) -> str:
 
 def _row(version: str, result: dict[str, Any], io_bytes: int | None, copy_bw: float | None, first: Any) -> list[str]:
     if "skipped" in result:
-        return [version, result["skipped"], "", "", "", "", "", "", ""]
+        return [version, result["skipped"], "", "", "", "", "", "", "", ""]
     peak, graph = result.get("peak_bytes"), result.get("graph_ms")
     cells = [version, _fmt(result["forward_ms"]), _fmt(result["step_ms"]), "n/a" if graph is None else _fmt(graph)]
-    cells.append("n/a" if peak is None else _fmt(peak / _MiB))
+    cells += ["n/a" if b is None else _fmt(b / _MiB) for b in (peak, result.get("peak_sum_bytes"))]
     if io_bytes is None:
         cells += ["", "", ""]
     else:
@@ -372,6 +382,7 @@ def _render(title: str, rows: list[list[str]]) -> tuple[Any, str]:
         "fwd+bwd ms",
         "graphed ms",
         "peak MiB",
+        "peak, sum loss",
         "I/O MB",
         "GB/s",
         "of copy",
