@@ -197,7 +197,14 @@ class FeaturesSimilarity(_Model):
         "features carry the anatomy across contrasts, the intensities its voxel-scale detail where the contrasts "
         "are related (0: features alone).",
     )
-    lncc_window: _OddWindow = Field(default=9, ge=3, description="Window of that local NCC term in voxels; odd.")
+    lncc_window: _OddWindow = Field(
+        default=9, ge=3, description="Window of the local NCC (of the images, and of the features with distance lncc)."
+    )
+    distance: Literal["cosine", "lncc"] = Field(
+        default="cosine",
+        description="cosine: one minus the features' mean cosine similarity; lncc: the local NCC loss of the feature "
+        "maps (each feature an image), which localises better.",
+    )
 
     @field_validator("weights")
     @classmethod

@@ -252,6 +252,12 @@ ERRORS = {
         "stages[0].similarity.lncc_weight",
         "must be >= 0",
     ),
+    "features distance": (
+        "stages:\n  - type: cpab\n    similarity: {name: features, distance: l2}\n",
+        3,
+        "stages[0].similarity.distance",
+        "'cosine'",
+    ),
     "literal": (
         f"stages:\n{AFFINE}    optimizer: {{name: adamw}}\n",
         4,

@@ -50,6 +50,23 @@ def test_the_lncc_term_adds_the_images_local_ncc(mode):
         FeatureSimilarity(lncc_window=4)
 
 
+@pytest.mark.parametrize("mode", ["warp_image", "warp_features"])
+def test_the_lncc_distance_is_the_local_ncc_of_the_feature_maps(mode):
+    grid = Grid.create((32, 32), (1.5, 1.5), (3.0, -2.0))
+    fixed, moving = _blobs(), _blobs(shift=2.0)[0]
+    points = grid.world_points() + torch.tensor([0.7, -0.4])
+    sim = build_similarity("features", mode=mode, distance="lncc", lncc_window=5)
+    warped = sample_image(moving, grid, points)[None]
+    maps = [sim.features(image).flatten(1, 2) for image in (fixed, warped)]  # every feature an image of its own
+    expected = build_similarity("lncc", window=5)(*maps)
+    torch.testing.assert_close(sim(fixed, warped), expected)
+    assert 0.0 < float(expected) <= 1.0
+    assert float(sim(fixed, fixed.clone())) == pytest.approx(0.0, abs=1e-3)  # the epsilon of flat windows
+    assert float(sim.loss_at_points(fixed, moving, grid, points)) == pytest.approx(float(expected), abs=0.05)
+    with pytest.raises(ConfigError, match="features distance must be 'cosine' or 'lncc'"):
+        FeatureSimilarity(distance="l2")
+
+
 def test_identical_images_give_zero_and_values_are_bounded():
     sim = FeatureSimilarity()
     fixed = _blobs()

@@ -66,13 +66,17 @@ def _similarity(name: str, weights: Path | None, mode: str) -> dict[str, Any]:
 
 
 def _columns(
-    dim: int, weights: Path | None, mode: str, lncc_weights: list[float]
+    dim: int, weights: Path | None, mode: str, lncc_weights: list[float], distances: list[str]
 ) -> list[tuple[str, dict[str, Any] | None]]:
-    """A part's columns: header and CPAB similarity (None: the affine stage alone); one ``features + W lncc`` column
-    (the features similarity with the images' local NCC at ``lncc_weight`` W) per W of ``lncc_weights``."""
-    features = _similarity("features", weights, mode)
-    columns: list[tuple[str, dict[str, Any] | None]] = [("affine only", None), (f"features ({mode})", features)]
-    columns += [(f"features + {w:g} lncc", {**features, "lncc_weight": w}) for w in lncc_weights]
+    """A part's columns: header and CPAB similarity (None: the affine stage alone); per feature distance of
+    ``distances``, the features similarity and one ``features + W lncc`` column (with the images' local NCC at
+    ``lncc_weight`` W) per W of ``lncc_weights``; then the classical similarities."""
+    columns: list[tuple[str, dict[str, Any] | None]] = [("affine only", None)]
+    for distance in distances:
+        features = {**_similarity("features", weights, mode), "distance": distance}
+        name = "features" if distance == "cosine" else f"features ({distance} distance)"
+        columns.append((f"{name} ({mode})" if distance == "cosine" else name, features))
+        columns += [(f"{name} + {w:g} lncc", {**features, "lncc_weight": w}) for w in lncc_weights]
     return columns + [(name, _similarity(name, weights, mode)) for name in (CLASSICAL_2D if dim == 2 else CLASSICAL_3D)]
 
 
@@ -355,6 +359,13 @@ def features(
             help="Repeatable: also run features with the images' local NCC at this weight (lncc_weight).",
         ),
     ] = None,
+    distance: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--distance",
+            help="Repeatable: the features similarity's distance, cosine or lncc (columns for each); default cosine.",
+        ),
+    ] = None,
     quick: Annotated[bool, typer.Option("--quick", help="Smoke run: small images, few iterations.")] = False,
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads for torch.")] = None,
     output: Annotated[
@@ -371,6 +382,9 @@ def features(
         raise typer.BadParameter("CUDA is not available here", param_hint="--device")
     if mode not in ("warp_image", "warp_features"):
         raise typer.BadParameter("choose warp_image or warp_features", param_hint="--mode")
+    distances = distance or ["cosine"]
+    if any(d not in ("cosine", "lncc") for d in distances):
+        raise typer.BadParameter("choose cosine or lncc", param_hint="--distance")
     if threads is not None:
         torch.set_num_threads(threads)
     parts = part or list(Part)
@@ -381,14 +395,15 @@ def features(
 
     header = f"{device_name(device.value)}; {cases} case(s) per kind{'; --quick' if quick else ''}"
     console.print(header)
+    argv = _argv(parts, device, cases, mode, quick, features_lncc or [], distances)
     markdown = [
-        f"### `regkit bench features {' '.join(_argv(parts, device, cases, mode, quick, features_lncc or []))}`",
+        f"### `regkit bench features {' '.join(argv)}`",
         "",
         header,
         "",
     ]
     if Part.two_d in parts:
-        columns = _columns(2, weights_2d, mode, features_lncc or [])
+        columns = _columns(2, weights_2d, mode, features_lncc or [], distances)
         rows = _run_2d(cases if not quick else 1, device.value, columns, quick, itk_data, say)
         table, md = render(
             "2D T1 -> proton density (ITK slices): endpoint error (mm) over the head; affine stage with mi, CPAB stage "
@@ -399,7 +414,7 @@ def features(
         console.print(table)
         markdown.append(md)
     if Part.three_d in parts:
-        columns = _columns(3, weights_3d, mode, features_lncc or [])
+        columns = _columns(3, weights_3d, mode, features_lncc or [], distances)
         rows = _run_3d(cases if not quick else 1, device.value, columns, quick, labels, say)
         table, md = render(
             "3D brains (2 mm): mean Dice over AAL labels; affine stage with mi, CPAB stage with each similarity",
@@ -426,8 +441,10 @@ def features(
 
 
 def _argv(
-    parts: list[Part], device: Device, cases: int, mode: str, quick: bool, features_lncc: list[float]
-) -> list[str]:
+    parts: list[Part], device: Device, cases: int, mode: str, quick: bool, features_lncc: list[float],
+    distances: list[str],
+) -> list[str]:  # fmt: skip
     args = [f"--part {p.value}" for p in parts] + [f"--device {device.value}", f"--cases {cases}"]
     args += [f"--mode {mode}"] if mode != "warp_image" else []
+    args += [f"--distance {d}" for d in distances] if distances != ["cosine"] else []
     return args + [f"--features-lncc {w:g}" for w in features_lncc] + (["--quick"] if quick else [])
