@@ -428,7 +428,7 @@ class FeatureSimilarity(Similarity):
     ``1 - mean cos(F(fixed), F(warped))`` in [0, 2]; ``distance="lncc"``, the ``lncc`` loss (window ``lncc_window``)
     of the feature maps, every feature channel an image of its own, in [0, 1]: the features' local correlation, blind
     to slow changes of their mean and scale, weighs where they change, which localises better (2D ITK T1 -> PD
-    endpoint error 1.22 mm against 1.40 with the cosine, docs/benchmarks/features-cpu.md).
+    endpoint error 1.23 mm against 1.40 with the cosine, docs/benchmarks/features-cpu.md).
 
     Args:
         mode: ``"warp_image"``: the features of the warped moving image, recomputed at every evaluation (exact);
