@@ -94,14 +94,19 @@ def test_fused_matches_reference_full_grid(ndim, shape, k, levels, dtype):
 
 
 @pytest.mark.parametrize(
-    "ndim, shape, k, levels", [(2, (2, 2, 13, 11), 3, 3), (3, (1, 2, 5, 6, 7), 3, 2)], ids=["2d", "3d"]
+    "ndim, shape, k, levels",
+    [(2, (2, 2, 13, 11), 3, 3), (2, (2, 2, 9, 12), 5, 2), (3, (1, 2, 5, 6, 7), 3, 2)],
+    ids=["2d", "2d-k5", "3d"],
 )
 def test_weight_gradients_split_into_many_shares(ndim, shape, k, levels, monkeypatch):
     """The GPU's tiling on the CPU: small blocks and spans give every level several partial-sum rows (and 2D level 1
-    a last, partial share), so that the program plan and the final sum over the rows are exercised."""
+    a last, partial share), so that the program plan and the final sum over the rows are exercised, and the other
+    kernels several programs per channel; with k = 5, 2D level 1 has tap rows whose pixels feed no base tap (run
+    without the base sums)."""
     from regkit_kernels.wtconv import ops
 
     monkeypatch.setattr(ops, "_wgrad_tiling", lambda *args: (4, 8))
+    monkeypatch.setattr(ops, "_INTERPRETER_BLOCK", 16)
     ops._plan.cache_clear()  # launch plans are cached per shape
     try:
         _compare(ndim, shape, k, levels, torch.float32)

@@ -378,21 +378,22 @@ def _store_blocks3d(ptrs, v0, v1, v2, v3, v4, v5, v6, v7, qz, qy, qx, ok, D, H, 
     _store_blocks2d(p1, v4, v5, v6, v7, qy, qx, ok1, H, W)
 
 
-# Weight gradients: one launch for all levels. Level j's (batch item, position) pairs of a channel are cut into
-# cdiv(B * Q_j, SPAN) shares of SPAN consecutive pairs; every (level, share, channel[, z tap]) is one program, which
-# writes one row of partial sums; programs appended to the input gradient's launch add the rows up (_wgrad_finalize).
-# 2D grids are 3D grids of depth 1.
+# Weight gradients: one launch for all levels. Level j's (batch item, element) indices of a channel, an element being
+# XP neighbouring positions along x (2D: 2, 3D: 1), are cut into shares of SPAN consecutive indices; every (level,
+# share, channel, tap row) is one program, which writes one row of partial sums; programs appended to the input
+# gradient's launch add the rows up (_wgrad_finalize). 2D grids are 3D grids of depth 1.
 
 
 @triton.jit
-def _level_shares(j, B, D, H, W, SPAN):
-    """Partial-sum rows (shares of SPAN positions) of level j: its grid is every axis halved j times, rounding up."""
-    q = ((D + (1 << j) - 1) >> j) * ((H + (1 << j) - 1) >> j) * ((W + (1 << j) - 1) >> j)
+def _level_shares(j, B, D, H, W, SPAN, XP: tl.constexpr):
+    """Partial-sum rows (shares of SPAN elements) of level j: its grid is every axis halved j times, rounding up; an
+    element is XP neighbouring positions along x (the last of a row may have fewer)."""
+    q = ((D + (1 << j) - 1) >> j) * ((H + (1 << j) - 1) >> j) * tl.cdiv((W + (1 << j) - 1) >> j, XP)
     return tl.cdiv(B * q, SPAN)
 
 
 @triton.jit
-def _wgrad_plan(pid, B, C, PROGRAMS_PER_SHARE, D, H, W, SPAN, LEVELS: tl.constexpr):
+def _wgrad_plan(pid, B, C, PROGRAMS_PER_SHARE, D, H, W, SPAN, LEVELS: tl.constexpr, XP: tl.constexpr):
     """This weight-gradient program's level j (1-based), its index among that level's programs, its partial-sum row
     before the share is added, the offset of the level's input in the low-pass buffers (level j >= 2 reads the
     low-pass of level j - 1; levels 1..L-1 lie one after the other, B x C planes each), the level's input size
@@ -411,7 +412,7 @@ def _wgrad_plan(pid, B, C, PROGRAMS_PER_SHARE, D, H, W, SPAN, LEVELS: tl.constex
     h_prev = H
     w_prev = W
     for j in tl.static_range(1, LEVELS + 1):
-        shares = _level_shares(j, B, D, H, W, SPAN)
+        shares = _level_shares(j, B, D, H, W, SPAN, XP)
         n = PROGRAMS_PER_SHARE * shares
         hit = (pid >= start) & (pid < start + n)
         level = tl.where(hit, j, level)
@@ -435,15 +436,17 @@ def _wgrad_plan(pid, B, C, PROGRAMS_PER_SHARE, D, H, W, SPAN, LEVELS: tl.constex
 def _wgrad_finalize(
     part_ptr, params_ptr, wb_ptr, sb_ptr, bias_ptr, out_ptr, pid, B, C, D, H, W, SPAN,
     LEVELS: tl.constexpr, NB: tl.constexpr, KT: tl.constexpr, TAPS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SLOTS: tl.constexpr, XP: tl.constexpr,
 ):  # fmt: skip
     """Parameter gradients from the partial sums (``part_ptr``: [rows, C, NB, KT] of every level, then the base's [S_1,
-    C, KT] and the bias's [S_1, C]) for channel ``pid % C`` and level ``pid // C + 1`` (the base conv when ``pid // C``
-    is LEVELS), ``C * (LEVELS + 1)`` programs in all. ``params_ptr`` holds the level weights [L, C, NB, KT] then the
-    level scales [L, C, NB]; base weights [C, KT], scale [C], bias [C] (2D: D = 1). Output, float32: dW [L, C, NB, KT],
-    dS [L, C, NB], dWb [C, KT], dSb [C], dbias [C], one after the other. The partial sums G are products of unnormalised
-    sub-bands, so a level's effective weight r * s * w (r = 2**(-ndim/2), r**2 = 1 / NB) has the gradient G / NB:
-    ``dw = s * G / NB``, ``ds = sum_t w * G / NB``; the base: ``dwb = sb * Gb``, ``dsb = sum_t wb * Gb + bias * Gbias``,
-    ``dbias = sb * Gbias``."""
+    C, SLOTS, KT] (SLOTS partial sums per share, added up) and the bias's [S_1, C]; shares of XP-position elements,
+    see ``_level_shares``) for channel ``pid % C`` and level
+    ``pid // C + 1`` (the base conv when ``pid // C`` is LEVELS), ``C * (LEVELS + 1)`` programs in all. ``params_ptr``
+    holds the level weights [L, C, NB, KT] then the level scales [L, C, NB]; base weights [C, KT], scale [C], bias [C]
+    (2D: D = 1). Output, float32: dW [L, C, NB, KT], dS [L, C, NB], dWb [C, KT], dSb [C], dbias [C], one after the
+    other. The partial sums G are products of unnormalised sub-bands, so a level's effective weight r * s * w
+    (r = 2**(-ndim/2), r**2 = 1 / NB) has the gradient G / NB: ``dw = s * G / NB``, ``ds = sum_t w * G / NB``; the
+    base: ``dwb = sb * Gb``, ``dsb = sum_t wb * Gb + bias * Gbias``, ``dbias = sb * Gbias``."""
     c = pid % C
     j = pid // C
     w_ptr = params_ptr
@@ -454,7 +457,7 @@ def _wgrad_finalize(
     row0 = 0
     count = 0
     for i in tl.static_range(1, LEVELS + 1):
-        shares = _level_shares(i, B, D, H, W, SPAN)
+        shares = _level_shares(i, B, D, H, W, SPAN, XP)
         rows += shares
         row0 += tl.where(i <= j, shares, 0)
         count = tl.where(i == j + 1, shares, count)
@@ -470,13 +473,14 @@ def _wgrad_finalize(
         tl.store(out_ptr + (wc + b) * KT + t[None, :], s * g, mask=t_ok[None, :])
         tl.store(out_ptr + LEVELS * C * NB * KT + wc + tl.arange(0, NB), tl.sum(w * g, axis=1))
     else:
-        shares1 = _level_shares(1, B, D, H, W, SPAN)
+        shares1 = _level_shares(1, B, D, H, W, SPAN, XP)
         base = part_ptr + rows * C * NB * KT
         acc_b = tl.zeros([TAPS], tl.float32)
         acc_bias = tl.zeros([1], tl.float32)
         for row in range(0, shares1):
-            acc_b += tl.load(base + (row * C + c) * KT + t, mask=t_ok, other=0.0)
-            acc_bias += tl.load(base + shares1 * C * KT + row * C + c + tl.zeros([1], tl.int32))
+            for slot in tl.static_range(SLOTS):
+                acc_b += tl.load(base + ((row * C + c) * SLOTS + slot) * KT + t, mask=t_ok, other=0.0)
+            acc_bias += tl.load(base + shares1 * C * SLOTS * KT + row * C + c + tl.zeros([1], tl.int32))
         sb = tl.load(sb_ptr + c).to(tl.float32)
         wb = tl.load(wb_ptr + c * KT + t, mask=t_ok, other=0.0).to(tl.float32)
         ds = tl.sum(wb * acc_b, axis=0) + tl.zeros([1], tl.float32)

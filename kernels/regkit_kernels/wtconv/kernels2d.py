@@ -219,82 +219,141 @@ def _wtconv2d_bwd_kernel(
     else:
         _wgrad_finalize(
             part_ptr, params_ptr, wb_ptr, sb_ptr, bias_ptr, grads_ptr, pid - DX_PROGRAMS, B, C, 1, H, W, SPAN, LEVELS,
-            4, K * K, TAPS, HAS_BIAS,
+            4, K * K, TAPS, HAS_BIAS, 2, 2,
         )  # fmt: skip
 
 
 @triton.jit
-def _wgrad2d_level(
-    g_ptr, src_ptr, part_ptr, c, share, row, C, B, H, W, Hq, Wq, base_off, SPAN,
-    K: tl.constexpr, BASE: tl.constexpr, TAPS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    """One level's weight-gradient sums over one share (SPAN consecutive (batch item, position) pairs) of channel c:
-    tile [TAPS, BLOCK] = every tap x BLOCK positions, products accumulated in registers and summed once.
+def _base_column(b00, b01, b10, b11, tx, col: tl.constexpr, K: tl.constexpr, p0, p1, g0, g1):
+    """Base-conv sums (see ``_wgrad2d_level``) of one pixel column (``p0`` in pixel row r = 0, ``p1`` in r = 1) against
+    one phase column of a block's output gradient (``g0``: phase row sy = 0, ``g1``: sy = 1), at tap column ``col``
+    (nothing where it lies outside 0..K-1). ``bRS`` accumulates pixel row R against phase row S."""
+    if (col >= 0) and (col < K):
+        hit = tx == col
+        b00 = tl.where(hit, b00 + (g0 * p0)[None, :], b00)
+        b01 = tl.where(hit, b01 + (g1 * p0)[None, :], b01)
+        b10 = tl.where(hit, b10 + (g0 * p1)[None, :], b10)
+        b11 = tl.where(hit, b11 + (g1 * p1)[None, :], b11)
+    return b00, b01, b10, b11
 
-    ``G[b, t] = sum_q dZ_b(q) Y_b(q + u_t)`` with dZ and Y the unnormalised sub-bands of g and src, into partial row
-    ``row``; with BASE (level 1, src = x, g = dy) also ``Gb[t] = sum_y g(y) src(y + u_t)`` and ``sum_y g(y)`` into the
-    base rows (at ``base_off``). A position's pointer is computed once per step and every tap adds a constant offset
-    (``2 u`` blocks for the sub-bands, ``u`` pixels for the base); the bounds are unsigned comparisons of the shifted
-    coordinates."""
+
+@triton.jit
+def _base_pixels(
+    b00, b01, b10, b11, tx, col: tl.constexpr, K: tl.constexpr, p0, p1, ga00, ga01, ga10, ga11, gb00, gb01, gb10, gb11
+):  # fmt: skip
+    """``_base_column`` for a pixel column against both blocks of a pair (``ga``, ``gb``: their output gradients),
+    ``col`` being its tap column for the first block's phase column 0 (phase column 1 is one tap left, the second
+    block two more)."""
+    b00, b01, b10, b11 = _base_column(b00, b01, b10, b11, tx, col, K, p0, p1, ga00, ga10)
+    b00, b01, b10, b11 = _base_column(b00, b01, b10, b11, tx, col - 1, K, p0, p1, ga01, ga11)
+    b00, b01, b10, b11 = _base_column(b00, b01, b10, b11, tx, col - 2, K, p0, p1, gb00, gb10)
+    return _base_column(b00, b01, b10, b11, tx, col - 3, K, p0, p1, gb01, gb11)
+
+
+@triton.jit
+def _wgrad2d_level(
+    g_ptr, src_ptr, part_ptr, c, ty, share, row, C, B, H, W, Hq, Wq, base_off, SPAN,
+    K: tl.constexpr, BASE: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One level's weight-gradient sums over one share (SPAN consecutive (batch item, pair) indices) of channel c, for
+    the taps of row ``ty``: ``G[b, ty, tx] = sum_q dZ_b(q) Y_b(q + u)``, u = (ty, tx) - K // 2, with dZ and Y the
+    unnormalised sub-bands of g and src, into partial row ``row``.
+
+    A thread takes two neighbouring positions of a row (q and q + (0, 1): a pair; the second is void past the row's
+    end) per step, BLOCK pairs a step. The sub-band gradients of both are computed once, and each of the K + 1 blocks
+    of the tap row that they meet (four loads, a butterfly) once: block q + (uy, ux) is tap ux of the first and tap
+    ux - 1 of the second. Products go to the tap column's accumulator: the accumulators are [KP, BLOCK] tiles whose tap
+    axis lies within a thread, so that selecting the column (``tl.where`` with a compile-time column) costs nothing once
+    unrolled.
+
+    With BASE (level 1, src = x, g = dy), the same pixels feed the base conv's sums ``Gb[t] = sum_y g(y) src(y + t -
+    K // 2)``: the pixel at offset (2 uy + r, o) from a block's corner 2q meets the block's pixel of phase (sy, sx) at
+    tap (2 uy + r - sy, o - sx) + K // 2; the tap row is known at run time only, so the sums go to one accumulator per
+    (r, sy) and are stored, by phase row sy, where the tap row is valid (every (tap row, sy) comes from exactly one
+    program; the kernel runs tap rows that feed none without BASE). ``sum_y g(y)`` (the bias) is summed by the programs
+    of the middle tap row."""
     P: tl.constexpr = K // 2
-    KK: tl.constexpr = K * K
-    t = tl.arange(0, TAPS)
-    uy = (t // K - P)[:, None]
-    ux = (t % K - P)[:, None]
-    tap_ok = (t < KK)[:, None]
-    band_off = 2 * uy * W + 2 * ux
-    base_shift = uy * W + ux
-    H2 = H // 2  # blocks whose lower row lies inside the plane (the upper row of a block at q < Hq always does)
+    tx = tl.arange(0, KP)[:, None]  # tap column, within a thread
+    uy = ty - P
+    H2 = H // 2  # blocks whose lower row (right column) lies inside the plane
     W2 = W // 2
-    acc0 = tl.zeros([TAPS, BLOCK], tl.float32)
-    acc1 = tl.zeros([TAPS, BLOCK], tl.float32)
-    acc2 = tl.zeros([TAPS, BLOCK], tl.float32)
-    acc3 = tl.zeros([TAPS, BLOCK], tl.float32)
-    acc_base = tl.zeros([TAPS, BLOCK], tl.float32)
-    acc_bias = tl.zeros([1, BLOCK], tl.float32)
-    Q = Hq * Wq
+    acc0 = tl.zeros([KP, BLOCK], tl.float32)
+    acc1 = tl.zeros([KP, BLOCK], tl.float32)
+    acc2 = tl.zeros([KP, BLOCK], tl.float32)
+    acc3 = tl.zeros([KP, BLOCK], tl.float32)
+    base00 = tl.zeros([KP, BLOCK], tl.float32)  # base sums by (pixel row r, phase row sy)
+    base01 = tl.zeros([KP, BLOCK], tl.float32)
+    base10 = tl.zeros([KP, BLOCK], tl.float32)
+    base11 = tl.zeros([KP, BLOCK], tl.float32)
+    bias = tl.zeros([BLOCK], tl.float32)
+    Wp = (Wq + 1) // 2  # pairs per row
+    Q = Hq * Wp
     inv_q = 1.0 / tl.cast(Q, tl.float32)
-    inv_w = 1.0 / tl.cast(Wq, tl.float32)
+    inv_w = 1.0 / tl.cast(Wp, tl.float32)
     end = tl.minimum(share * SPAN + SPAN, B * Q)
     for start in range(share * SPAN, end, BLOCK):
-        n = start + tl.arange(0, BLOCK)[None, :]
+        n = start + tl.arange(0, BLOCK)
         ok = n < end
         b, q = _divmod(n, Q, inv_q)
-        qy, qx = _divmod(q, Wq, inv_w)
+        qy, px = _divmod(q, Wp, inv_w)
+        qx = 2 * px  # the pair's first position; the second, qx + 1, exists where qx + 1 < Wq
         pos = (b * C + c).to(tl.int64) * H * W + (2 * qy * W + 2 * qx)
-        g00, g01, g10, g11 = _block_at(g_ptr + pos, W, ok, ok & (qy < H2), True, qx < W2)
-        d0, d1, d2, d3 = _butterfly2d(g00, g01, g10, g11)
-        src = src_ptr + pos
+        gs = g_ptr + pos
+        ok_g1 = ok & (qy < H2)
+        ga00, ga01, ga10, ga11 = _block_at(gs, W, ok, ok_g1, True, qx < W2)
+        gb00, gb01, gb10, gb11 = _block_at(gs + 2, W, ok, ok_g1, qx + 1 < Wq, qx + 1 < W2)
+        da0, da1, da2, da3 = _butterfly2d(ga00, ga01, ga10, ga11)
+        db0, db1, db2, db3 = _butterfly2d(gb00, gb01, gb10, gb11)
         vy = qy + uy
-        vx = qx + ux
-        ok_t = ok & tap_ok
-        s00, s01, s10, s11 = _block_at(
-            src + band_off, W, ok_t & _within(vy, Hq), ok_t & _within(vy, H2), _within(vx, Wq), _within(vx, W2)
-        )
-        ll, lh, hl, hh = _butterfly2d(s00, s01, s10, s11)
-        acc0 += d0 * ll
-        acc1 += d1 * lh
-        acc2 += d2 * hl
-        acc3 += d3 * hh
+        ok_y0 = ok & _within(vy, Hq)
+        ok_y1 = ok & _within(vy, H2)
+        src = src_ptr + pos + 2 * uy * W
+        for v in tl.static_range(K + 1):
+            ux = v - P
+            s00, s01, s10, s11 = _block_at(src + 2 * ux, W, ok_y0, ok_y1, _within(qx + ux, Wq), _within(qx + ux, W2))
+            ll, lh, hl, hh = _butterfly2d(s00, s01, s10, s11)
+            if v < K:  # tap column v of the first position
+                hit = tx == v
+                acc0 = tl.where(hit, acc0 + (da0 * ll)[None, :], acc0)
+                acc1 = tl.where(hit, acc1 + (da1 * lh)[None, :], acc1)
+                acc2 = tl.where(hit, acc2 + (da2 * hl)[None, :], acc2)
+                acc3 = tl.where(hit, acc3 + (da3 * hh)[None, :], acc3)
+            if v >= 1:  # tap column v - 1 of the second
+                hit = tx == v - 1
+                acc0 = tl.where(hit, acc0 + (db0 * ll)[None, :], acc0)
+                acc1 = tl.where(hit, acc1 + (db1 * lh)[None, :], acc1)
+                acc2 = tl.where(hit, acc2 + (db2 * hl)[None, :], acc2)
+                acc3 = tl.where(hit, acc3 + (db3 * hh)[None, :], acc3)
+            if BASE:  # pixel columns 2 ux (s00, s10) and 2 ux + 1 (s01, s11) from the first block's corner
+                base00, base01, base10, base11 = _base_pixels(
+                    base00, base01, base10, base11, tx, 2 * ux + P, K, s00, s10, ga00, ga01, ga10, ga11, gb00, gb01,
+                    gb10, gb11,
+                )  # fmt: skip
+                base00, base01, base10, base11 = _base_pixels(
+                    base00, base01, base10, base11, tx, 2 * ux + 1 + P, K, s01, s11, ga00, ga01, ga10, ga11, gb00,
+                    gb01, gb10, gb11,
+                )  # fmt: skip
         if BASE:
-            y = 2 * qy + uy
-            x = 2 * qx + ux
-            a, bb, cc, d = _block_at(
-                src + base_shift, W, ok_t & _within(y, H), ok_t & _within(y + 1, H), _within(x, W), _within(x + 1, W)
-            )
-            acc_base += g00 * a + g01 * bb + g10 * cc + g11 * d
-            acc_bias += g00 + g01 + g10 + g11
-    t_ok = t < KK
-    out = part_ptr + (row * C + c) * 4 * KK + t
+            bias += ga00 + ga01 + ga10 + ga11 + gb00 + gb01 + gb10 + gb11
+    t = tl.arange(0, KP)
+    t_ok = t < K
+    out = part_ptr + (row * C + c) * 4 * K * K + ty * K + t
     tl.store(out, tl.sum(acc0, axis=1), mask=t_ok)
-    tl.store(out + KK, tl.sum(acc1, axis=1), mask=t_ok)
-    tl.store(out + 2 * KK, tl.sum(acc2, axis=1), mask=t_ok)
-    tl.store(out + 3 * KK, tl.sum(acc3, axis=1), mask=t_ok)
-    if BASE:
+    tl.store(out + K * K, tl.sum(acc1, axis=1), mask=t_ok)
+    tl.store(out + 2 * K * K, tl.sum(acc2, axis=1), mask=t_ok)
+    tl.store(out + 3 * K * K, tl.sum(acc3, axis=1), mask=t_ok)
+    if BASE:  # tap row 2 uy + r - sy + P of phase row sy, where valid
         shares1 = tl.cdiv(B * Q, SPAN)
-        tl.store(part_ptr + base_off + (share * C + c) * KK + t, tl.sum(acc_base, axis=1), mask=t_ok)
-        bias_sum = tl.sum(acc_bias, axis=1)  # [1]
-        tl.store(part_ptr + base_off + shares1 * C * KK + share * C + c + tl.arange(0, 1), bias_sum)
+        base = part_ptr + base_off + (share * C + c) * 2 * K * K + t
+        t0 = 2 * uy + P + 0 * t  # tap row of (r, sy) = (0, 0) and (1, 1), as a vector (the interpreter takes no
+        # mask made of a vector and a scalar)
+        tl.store(base + t0 * K, tl.sum(base00, axis=1), mask=t_ok & _within(t0, K))
+        tl.store(base + (K + t0 - 1) * K, tl.sum(base01, axis=1), mask=t_ok & _within(t0 - 1, K))
+        tl.store(base + (t0 + 1) * K, tl.sum(base10, axis=1), mask=t_ok & _within(t0 + 1, K))
+        tl.store(base + (K + t0) * K, tl.sum(base11, axis=1), mask=t_ok & _within(t0, K))
+        one = tl.arange(0, 1)
+        bias_at = part_ptr + base_off + shares1 * C * 2 * K * K + share * C + c
+        tl.store(bias_at + one, tl.sum(bias) + 0.0 * one, mask=(one + uy) == 0)
 
 
 @triton.jit
@@ -318,29 +377,40 @@ def _wtconv2d_wgrad_kernel(
     LEVEL_PROGRAMS,
     LEVELS: tl.constexpr,
     K: tl.constexpr,
-    TAPS: tl.constexpr,
+    KP: tl.constexpr,
     BLOCK: tl.constexpr,
     LEVEL_BLOCK: tl.constexpr,
 ):
     """The backward pass of Haar levels 2..LEVELS (programs below LEVEL_PROGRAMS, see ``_level2d``: the sub-band
     gradient is the adjoint conv of the Haar analysis of the output gradient's low-pass, the adjoint of the closed-form
     synthesis) and, after them in the same launch, the weight gradients of every level, the base conv and the bias:
-    program = (level, share, channel), see ``_wgrad_plan``; level 1 reads dy and x, deeper levels the low-passes."""
+    program = (level, share, channel, tap row), tap row fastest (the K programs of a share read the same blocks), see
+    ``_wgrad_plan``; level 1 reads dy and x, deeper levels the low-passes."""
     pid = tl.program_id(0)
     if pid < LEVEL_PROGRAMS:
         _level2d(glow_ptr, params_ptr, dz_ptr, pid, B, C, H, W, LEVELS, K, -1, LEVEL_BLOCK)
     else:
-        level, local, row0, off, _, h_in, w_in, rows = _wgrad_plan(pid - LEVEL_PROGRAMS, B, C, C, 1, H, W, SPAN, LEVELS)
-        c = local % C
-        share = local // C
+        level, local, row0, off, _, h_in, w_in, rows = _wgrad_plan(
+            pid - LEVEL_PROGRAMS, B, C, C * K, 1, H, W, SPAN, LEVELS, 2
+        )
+        ty = local % K
+        c = local // K % C
+        share = local // (K * C)
         base_off = rows * C * 4 * K * K
+        uy = ty - K // 2
         if level == 1:
-            _wgrad2d_level(
-                dy_ptr, x_ptr, part_ptr, c, share, row0 + share, C, B, H, W, (H + 1) // 2, (W + 1) // 2, base_off,
-                SPAN, K, True, TAPS, BLOCK,
-            )  # fmt: skip
+            if (2 * uy + 1 >= -(K // 2)) & (2 * uy <= K // 2 + 1):  # pixel rows 2 uy, 2 uy + 1 reach base taps
+                _wgrad2d_level(
+                    dy_ptr, x_ptr, part_ptr, c, ty, share, row0 + share, C, B, H, W, (H + 1) // 2, (W + 1) // 2,
+                    base_off, SPAN, K, True, KP, BLOCK,
+                )  # fmt: skip
+            else:
+                _wgrad2d_level(
+                    dy_ptr, x_ptr, part_ptr, c, ty, share, row0 + share, C, B, H, W, (H + 1) // 2, (W + 1) // 2,
+                    base_off, SPAN, K, False, KP, BLOCK,
+                )  # fmt: skip
         else:
             _wgrad2d_level(
-                glow_ptr + off, low_ptr + off, part_ptr, c, share, row0 + share, C, B, h_in, w_in, (h_in + 1) // 2,
-                (w_in + 1) // 2, base_off, SPAN, K, False, TAPS, BLOCK,
+                glow_ptr + off, low_ptr + off, part_ptr, c, ty, share, row0 + share, C, B, h_in, w_in, (h_in + 1) // 2,
+                (w_in + 1) // 2, base_off, SPAN, K, False, KP, BLOCK,
             )  # fmt: skip

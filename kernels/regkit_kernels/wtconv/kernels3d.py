@@ -267,41 +267,41 @@ def _wtconv3d_bwd_kernel(
     else:
         _wgrad_finalize(
             part_ptr, params_ptr, wb_ptr, sb_ptr, bias_ptr, grads_ptr, pid - DX_PROGRAMS, B, C, D, H, W, SPAN, LEVELS,
-            8, KKK, TAPS, HAS_BIAS,
+            8, KKK, TAPS, HAS_BIAS, 1, 1,
         )  # fmt: skip
 
 
 @triton.jit
 def _wgrad3d_level(
-    g_ptr, src_ptr, part_ptr, c, tz, share, row, C, B, D, H, W, Dq, Hq, Wq, base_off, SPAN,
-    K: tl.constexpr, BASE: tl.constexpr, TAPS: tl.constexpr, BLOCK: tl.constexpr,
+    g_ptr, src_ptr, part_ptr, c, tz, ty, share, row, C, B, D, H, W, Dq, Hq, Wq, base_off, SPAN,
+    K: tl.constexpr, BASE: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One level's weight-gradient sums for one z tap and one share of channel c; see ``_wgrad2d_level`` (the tile's
-    tap axis holds the K x K in-plane taps of z tap ``tz``; a block is two z-slices of 2 x 2 pixels)."""
+    """One level's weight-gradient sums for the taps of row (tz, ty) over one share of channel c; see
+    ``_wgrad2d_level`` (a block is two z-slices of 2 x 2 pixels; each of the K blocks of the tap row is loaded once per
+    position and feeds every tap column through the in-thread tap axis).
+
+    With BASE, the base conv's sums of the same tap row: the pixels at offsets (uz + sz, uy + sy, ox) from a block's
+    corner, ox in [-K // 2, K // 2 + 1], meet the block's pixel of phase (sz, sy, sx) at tap column ox - sx + K // 2
+    (4 (K + 1) loads per position, apart from the sub-bands' blocks, which lie in other rows). ``sum_y g(y)`` (the
+    bias) is summed by the programs of tap row (0, 0)."""
     P: tl.constexpr = K // 2
-    KK: tl.constexpr = K * K
-    KKK: tl.constexpr = K * K * K
-    t = tl.arange(0, TAPS)
+    tx = tl.arange(0, KP)[:, None]  # tap column, within a thread
     uz = tz - P
-    uy = (t // K - P)[:, None]
-    ux = (t % K - P)[:, None]
-    tap_ok = (t < KK)[:, None]
+    uy = ty - P
     HW = H * W
-    band_off = (2 * uz * H + 2 * uy) * W + 2 * ux
-    base_shift = (uz * H + uy) * W + ux
     D2 = D // 2  # blocks whose far slice, row or column lies inside the volume
     H2 = H // 2
     W2 = W // 2
-    acc0 = tl.zeros([TAPS, BLOCK], tl.float32)
-    acc1 = tl.zeros([TAPS, BLOCK], tl.float32)
-    acc2 = tl.zeros([TAPS, BLOCK], tl.float32)
-    acc3 = tl.zeros([TAPS, BLOCK], tl.float32)
-    acc4 = tl.zeros([TAPS, BLOCK], tl.float32)
-    acc5 = tl.zeros([TAPS, BLOCK], tl.float32)
-    acc6 = tl.zeros([TAPS, BLOCK], tl.float32)
-    acc7 = tl.zeros([TAPS, BLOCK], tl.float32)
-    acc_base = tl.zeros([TAPS, BLOCK], tl.float32)
-    acc_bias = tl.zeros([1, BLOCK], tl.float32)
+    acc0 = tl.zeros([KP, BLOCK], tl.float32)
+    acc1 = tl.zeros([KP, BLOCK], tl.float32)
+    acc2 = tl.zeros([KP, BLOCK], tl.float32)
+    acc3 = tl.zeros([KP, BLOCK], tl.float32)
+    acc4 = tl.zeros([KP, BLOCK], tl.float32)
+    acc5 = tl.zeros([KP, BLOCK], tl.float32)
+    acc6 = tl.zeros([KP, BLOCK], tl.float32)
+    acc7 = tl.zeros([KP, BLOCK], tl.float32)
+    acc_base = tl.zeros([KP, BLOCK], tl.float32)
+    bias = tl.zeros([BLOCK], tl.float32)
     HWq = Hq * Wq
     Q = Dq * HWq
     inv_q = 1.0 / tl.cast(Q, tl.float32)
@@ -309,7 +309,7 @@ def _wgrad3d_level(
     inv_w = 1.0 / tl.cast(Wq, tl.float32)
     end = tl.minimum(share * SPAN + SPAN, B * Q)
     for start in range(share * SPAN, end, BLOCK):
-        n = start + tl.arange(0, BLOCK)[None, :]
+        n = start + tl.arange(0, BLOCK)
         ok = n < end
         b, q = _divmod(n, Q, inv_q)
         qz, r = _divmod(q, HWq, inv_hw)
@@ -320,47 +320,56 @@ def _wgrad3d_level(
         x1 = qx < W2
         g0, g1, g2, g3 = _block_at(gs, W, ok, ok & y1, True, x1)
         g4, g5, g6, g7 = _block_at(gs + HW, W, ok & (qz < D2), ok & (qz < D2) & y1, True, x1)
-        d0, d1, d2, d3, d4, d5, d6, d7 = _butterfly3d(g0, g1, g2, g3, g4, g5, g6, g7)
-        src = src_ptr + pos
-        vz = qz + uz
-        vy = qy + uy
-        vx = qx + ux
-        ok_t = ok & tap_ok
-        ry0 = _within(vy, Hq)
-        ry1 = _within(vy, H2)
-        rx0 = _within(vx, Wq)
-        rx1 = _within(vx, W2)
-        hs = src + band_off
-        ok_z0 = ok_t & _within(vz, Dq)
-        ok_z1 = ok_t & _within(vz, D2)
-        s0, s1, s2, s3 = _block_at(hs, W, ok_z0 & ry0, ok_z0 & ry1, rx0, rx1)
-        s4, s5, s6, s7 = _block_at(hs + HW, W, ok_z1 & ry0, ok_z1 & ry1, rx0, rx1)
-        u0, u1, u2, u3, u4, u5, u6, u7 = _butterfly3d(s0, s1, s2, s3, s4, s5, s6, s7)
-        acc0 += d0 * u0
-        acc1 += d1 * u1
-        acc2 += d2 * u2
-        acc3 += d3 * u3
-        acc4 += d4 * u4
-        acc5 += d5 * u5
-        acc6 += d6 * u6
-        acc7 += d7 * u7
         if BASE:
             z = 2 * qz + uz
             y = 2 * qy + uy
-            x = 2 * qx + ux
+            ok_b0 = ok & _within(z, D)
+            ok_b1 = ok & _within(z + 1, D)
             by0 = _within(y, H)
             by1 = _within(y + 1, H)
-            bx0 = _within(x, W)
-            bx1 = _within(x + 1, W)
-            bs = src + base_shift
-            ok_b0 = ok_t & _within(z, D)
-            ok_b1 = ok_t & _within(z + 1, D)
-            a0, a1, a2, a3 = _block_at(bs, W, ok_b0 & by0, ok_b0 & by1, bx0, bx1)
-            a4, a5, a6, a7 = _block_at(bs + HW, W, ok_b1 & by0, ok_b1 & by1, bx0, bx1)
-            acc_base += g0 * a0 + g1 * a1 + g2 * a2 + g3 * a3 + g4 * a4 + g5 * a5 + g6 * a6 + g7 * a7
-            acc_bias += g0 + g1 + g2 + g3 + g4 + g5 + g6 + g7
-    t_ok = t < KK
-    dw = part_ptr + (row * C + c) * 8 * KKK + tz * KK + t
+            for ix in tl.static_range(K + 1):
+                ox = ix - P
+                col_ok = _within(2 * qx + ox, W)
+                p = src_ptr + pos + (uz * H + uy) * W + ox
+                a0 = tl.load(p, mask=ok_b0 & by0 & col_ok, other=0.0).to(tl.float32)
+                a1 = tl.load(p + W, mask=ok_b0 & by1 & col_ok, other=0.0).to(tl.float32)
+                a2 = tl.load(p + HW, mask=ok_b1 & by0 & col_ok, other=0.0).to(tl.float32)
+                a3 = tl.load(p + (HW + W), mask=ok_b1 & by1 & col_ok, other=0.0).to(tl.float32)
+                if ix < K:  # sx = 0: tap column ix; the block's pixels of phases (sz, sy, 0): g0, g2, g4, g6
+                    hit = tx == ix
+                    acc_base = tl.where(hit, acc_base + (g0 * a0 + g2 * a1 + g4 * a2 + g6 * a3)[None, :], acc_base)
+                if ix >= 1:  # sx = 1: tap column ix - 1
+                    hit = tx == ix - 1
+                    acc_base = tl.where(hit, acc_base + (g1 * a0 + g3 * a1 + g5 * a2 + g7 * a3)[None, :], acc_base)
+            bias += g0 + g1 + g2 + g3 + g4 + g5 + g6 + g7
+        d0, d1, d2, d3, d4, d5, d6, d7 = _butterfly3d(g0, g1, g2, g3, g4, g5, g6, g7)
+        vz = qz + uz
+        vy = qy + uy
+        ok_z0 = ok & _within(vz, Dq)
+        ok_z1 = ok & _within(vz, D2)
+        ry0 = _within(vy, Hq)
+        ry1 = _within(vy, H2)
+        src = src_ptr + pos + (2 * uz * H + 2 * uy) * W
+        for v in tl.static_range(K):
+            ux = v - P
+            x0 = _within(qx + ux, Wq)
+            x1 = _within(qx + ux, W2)
+            s0, s1, s2, s3 = _block_at(src + 2 * ux, W, ok_z0 & ry0, ok_z0 & ry1, x0, x1)
+            s4, s5, s6, s7 = _block_at(src + (2 * ux + HW), W, ok_z1 & ry0, ok_z1 & ry1, x0, x1)
+            u0, u1, u2, u3, u4, u5, u6, u7 = _butterfly3d(s0, s1, s2, s3, s4, s5, s6, s7)
+            hit = tx == v
+            acc0 = tl.where(hit, acc0 + (d0 * u0)[None, :], acc0)
+            acc1 = tl.where(hit, acc1 + (d1 * u1)[None, :], acc1)
+            acc2 = tl.where(hit, acc2 + (d2 * u2)[None, :], acc2)
+            acc3 = tl.where(hit, acc3 + (d3 * u3)[None, :], acc3)
+            acc4 = tl.where(hit, acc4 + (d4 * u4)[None, :], acc4)
+            acc5 = tl.where(hit, acc5 + (d5 * u5)[None, :], acc5)
+            acc6 = tl.where(hit, acc6 + (d6 * u6)[None, :], acc6)
+            acc7 = tl.where(hit, acc7 + (d7 * u7)[None, :], acc7)
+    KKK: tl.constexpr = K * K * K
+    t = tl.arange(0, KP)
+    t_ok = t < K
+    dw = part_ptr + (row * C + c) * 8 * KKK + (tz * K + ty) * K + t
     tl.store(dw, tl.sum(acc0, axis=1), mask=t_ok)
     tl.store(dw + KKK, tl.sum(acc1, axis=1), mask=t_ok)
     tl.store(dw + 2 * KKK, tl.sum(acc2, axis=1), mask=t_ok)
@@ -371,10 +380,11 @@ def _wgrad3d_level(
     tl.store(dw + 7 * KKK, tl.sum(acc7, axis=1), mask=t_ok)
     if BASE:
         shares1 = tl.cdiv(B * Q, SPAN)
-        tl.store(part_ptr + base_off + (share * C + c) * KKK + tz * KK + t, tl.sum(acc_base, axis=1), mask=t_ok)
-        bias_sum = tl.sum(acc_bias, axis=1)  # [1]
+        tl.store(part_ptr + base_off + (share * C + c) * KKK + (tz * K + ty) * K + t, tl.sum(acc_base, axis=1),
+                 mask=t_ok)  # fmt: skip
         one = tl.arange(0, 1)
-        tl.store(part_ptr + base_off + shares1 * C * KKK + share * C + c + one, bias_sum, mask=(one + tz) == 0)
+        bias_at = part_ptr + base_off + shares1 * C * KKK + share * C + c
+        tl.store(bias_at + one, tl.sum(bias) + 0.0 * one, mask=(one + tz + ty) == 0)
 
 
 @triton.jit
@@ -395,24 +405,28 @@ def _wtconv3d_wgrad_kernel(
     SPAN,
     LEVELS: tl.constexpr,
     K: tl.constexpr,
-    TAPS: tl.constexpr,
+    KP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Weight gradients of every level (and of the base conv and bias) in one launch: program = (level, share, z tap,
-    channel), see ``_wgrad_plan``; level 1 reads dy and x, deeper levels the low-pass buffers. (Unlike 2D, the levels'
-    backward is a launch of its own: its registers would halve this kernel's occupancy.)"""
-    level, local, row0, off, d_in, h_in, w_in, rows = _wgrad_plan(tl.program_id(0), B, C, C * K, D, H, W, SPAN, LEVELS)
-    c = local % C
-    tz = local // C % K
-    share = local // (C * K)
+    """Weight gradients of every level (and of the base conv and bias) in one launch: program = (level, share,
+    channel, z tap, y tap), the taps fastest (the K * K programs of a share read the same blocks), see ``_wgrad_plan``;
+    level 1 reads dy and x, deeper levels the low-pass buffers. (Unlike 2D, the levels' backward is a launch of its
+    own: its registers would halve this kernel's occupancy.)"""
+    level, local, row0, off, d_in, h_in, w_in, rows = _wgrad_plan(
+        tl.program_id(0), B, C, C * K * K, D, H, W, SPAN, LEVELS, 1
+    )
+    ty = local % K
+    tz = local // K % K
+    c = local // (K * K) % C
+    share = local // (K * K * C)
     base_off = rows * C * 8 * K * K * K
     if level == 1:
         _wgrad3d_level(
-            dy_ptr, x_ptr, part_ptr, c, tz, share, row0 + share, C, B, D, H, W, (D + 1) // 2, (H + 1) // 2,
-            (W + 1) // 2, base_off, SPAN, K, True, TAPS, BLOCK,
+            dy_ptr, x_ptr, part_ptr, c, tz, ty, share, row0 + share, C, B, D, H, W, (D + 1) // 2, (H + 1) // 2,
+            (W + 1) // 2, base_off, SPAN, K, True, KP, BLOCK,
         )  # fmt: skip
     else:
         _wgrad3d_level(
-            glow_ptr + off, low_ptr + off, part_ptr, c, tz, share, row0 + share, C, B, d_in, h_in, w_in,
-            (d_in + 1) // 2, (h_in + 1) // 2, (w_in + 1) // 2, base_off, SPAN, K, False, TAPS, BLOCK,
+            glow_ptr + off, low_ptr + off, part_ptr, c, tz, ty, share, row0 + share, C, B, d_in, h_in, w_in,
+            (d_in + 1) // 2, (h_in + 1) // 2, (w_in + 1) // 2, base_off, SPAN, K, False, KP, BLOCK,
         )  # fmt: skip

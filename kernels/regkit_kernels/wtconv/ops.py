@@ -17,10 +17,12 @@ The layer (see ``regkit.features.wtconv``) is computed with three reformulations
 The backward pass mirrors the forward: the adjoint of the closed-form synthesis is the Haar analysis cascade of the
 output gradient (its low-passes made like the forward's, its sub-bands on chip); each level's sub-band gradient is the
 adjoint convolution of that, and the input gradient is the adjoint base convolution plus the closed-form synthesis of
-the sub-band gradients, written once. The weight gradients of all levels come from one launch whose tiles span every
-tap of a channel: products of the recomputed sub-bands of the gradient and of the input are accumulated in registers
-over a share of the positions and summed once into a row of partial sums; programs appended to the input gradient's
-launch add the rows up and write the gradients of every weight, scale and the bias (deterministic, no atomics).
+the sub-band gradients, written once. The weight gradients of all levels come from one launch, a program per channel,
+share of the positions and tap row: products of the recomputed sub-bands of the gradient and of the input are
+accumulated in registers and summed once into a row of partial sums (each block of the tap row is loaded once per
+position, in 2D once per pair of neighbouring positions, and feeds every tap column; in 2D level 1's pixels also feed
+the base conv's sums); programs appended to the input gradient's launch add the rows up and write the gradients of
+every weight, scale and the bias (deterministic, no atomics).
 
 Launches: the low-passes take ceil((L - 1) / _LOWPASS_DEPTH) launches each way; besides them a forward pass is two (all
 levels 2..L, the output) and a backward pass two in 2D (the levels' sub-band gradients together with the weight-gradient
@@ -74,13 +76,18 @@ class _Kernels:
     wgrad_levels: bool  # the levels' backward runs in the weight-gradient launch (2D; in 3D it would halve the
     # occupancy of that kernel, whose tiles need far fewer registers than the 3D level convolutions)
     block: int  # positions per program of the convolution kernels
-    wgrad_block: int  # positions per step of the weight-gradient kernel (times the in-plane taps)
+    wgrad_block: int  # elements (see wgrad_pair) per step of the weight-gradient kernel; at least 32 * wgrad_warps,
+    # so that the tap axis of its tiles lies within a thread
     wgrad_programs: int  # level-1 weight-gradient programs wanted per multiprocessor (sets the span of a program)
+    wgrad_warps: int
+    wgrad_maxnreg: int | None  # a register cap for the weight-gradient kernel (None: the compiler's choice)
+    base_slots: int  # partial sums of the base weights per share (2D: one per phase row, see ``_wgrad2d_level``)
+    wgrad_pair: int  # positions along x per element of a weight-gradient step (2D: pairs, see ``_wgrad2d_level``)
 
 
-# One table picks the 2D or 3D kernels. Block sizes: the best of small sweeps on an H200 (docs/wtconv_notes.md). The
-# weight-gradient kernel is latency-bound: small tiles (fewer registers, more warps), and enough programs for several
-# waves, so that the last wave's idle multiprocessors cost little.
+# One table picks the 2D or 3D kernels. Block sizes: the best of small sweeps on an H200 (docs/wtconv_notes.md; the 2D
+# weight-gradient tiling: docs/benchmarks/wgrad_ab.py). The weight-gradient kernels are latency-bound: enough programs
+# for several waves, so that the last wave's idle multiprocessors cost little; one element per thread.
 _KERNELS = {
     2: _Kernels(
         _haar_lowpasses2d_kernel,
@@ -90,8 +97,12 @@ _KERNELS = {
         _wtconv2d_bwd_kernel,
         True,
         256,
-        16,
+        128,
         32,
+        4,
+        None,
+        2,
+        2,
     ),
     3: _Kernels(
         _haar_lowpasses3d_kernel,
@@ -101,8 +112,12 @@ _KERNELS = {
         _wtconv3d_bwd_kernel,
         False,
         256,
-        8,
+        128,
         32,
+        4,
+        None,
+        1,
+        1,
     ),
 }
 _NUM_WARPS = 4
@@ -148,7 +163,7 @@ class _Plan:
     block: int
     dx_programs: int  # programs of the output and input-gradient kernels
     wgrad_block: int
-    span: int  # (batch item, position) pairs per weight-gradient program
+    span: int  # (batch item, element) indices per weight-gradient program
     wgrad_programs: int
     part_numel: int  # weight-gradient partial sums
     grads_numel: int  # parameter gradients
@@ -172,15 +187,15 @@ def _multiprocessors(device: int | None) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _wgrad_tiling(kern: _Kernels, positions: int, per_share: int, device: torch.device) -> tuple[int, int]:
-    """Block (positions per step) and span ((batch item, position) pairs per program, a power-of-2 multiple of the
-    block) of the weight-gradient kernel, given level 1's pairs per channel and the programs per share: the span gives
+def _wgrad_tiling(kern: _Kernels, elements: int, per_share: int, device: torch.device) -> tuple[int, int]:
+    """Block (elements per step) and span ((batch item, element) indices per program, a power-of-2 multiple of the
+    block) of the weight-gradient kernel, given level 1's indices per channel and the programs per share: the span gives
     level 1 at least ``kern.wgrad_programs`` programs per multiprocessor. On the CPU, one block and one program per
     level and channel."""
     if device.type != "cuda":
-        return _pow2(positions), _pow2(positions)
+        return _pow2(elements), _pow2(elements)
     wanted = kern.wgrad_programs * _multiprocessors(device.index)
-    return kern.wgrad_block, max(kern.wgrad_block, 1 << max(positions * per_share // wanted, 1).bit_length() - 1)
+    return kern.wgrad_block, max(kern.wgrad_block, 1 << max(elements * per_share // wanted, 1).bit_length() - 1)
 
 
 @functools.lru_cache(maxsize=256)
@@ -213,10 +228,11 @@ def _plan(shape: tuple[int, ...], levels: int, k: int, device: torch.device) -> 
     level_programs = sum(channels * _cdiv(batch * counts[j], level_block) for j in range(2, levels + 1))
     block = block_for(batch * counts[1])
 
-    positions = [batch * n for n in counts[1:]]  # (batch item, position) pairs per channel and level
-    per_share = channels * (k if ndim == 3 else 1)  # programs per share
-    wgrad_block, span = _wgrad_tiling(kern, positions[0], per_share, device)
-    rows = [_cdiv(n, span) for n in positions]
+    # (batch item, element) indices per channel and level, an element being kern.wgrad_pair positions along x
+    elements = [batch * math.prod(s[:-1]) * _cdiv(s[-1], kern.wgrad_pair) for s in sizes[1:]]
+    per_share = channels * k ** (ndim - 1)  # programs per share: one per tap row
+    wgrad_block, span = _wgrad_tiling(kern, elements[0], per_share, device)
+    rows = [_cdiv(n, span) for n in elements]
     return _Plan(
         sizes=sizes,
         low_numel=offsets[-1],
@@ -225,11 +241,11 @@ def _plan(shape: tuple[int, ...], levels: int, k: int, device: torch.device) -> 
         level_block=level_block,
         level_programs=level_programs,
         block=block,
-        dx_programs=channels * _cdiv(positions[0], block),
+        dx_programs=channels * _cdiv(batch * counts[1], block),
         wgrad_block=wgrad_block,
         span=span,
         wgrad_programs=sum(rows) * per_share,
-        part_numel=(sum(rows) * nb + rows[0]) * channels * taps + rows[0] * channels,
+        part_numel=(sum(rows) * nb + rows[0] * kern.base_slots) * channels * taps + rows[0] * channels,
         grads_numel=levels * channels * nb * (taps + 1) + channels * (taps + 2),
     )
 
@@ -303,7 +319,10 @@ def wtconv_bwd(
     glow = _lowpasses(kern, plan, grad_out)
     coarse = x.new_empty(plan.coarse_numel, dtype=torch.float32)
     part = x.new_empty(plan.part_numel, dtype=torch.float32)
-    consts = {"LEVELS": levels, "K": k, "TAPS": _pow2(k * k), "BLOCK": plan.wgrad_block, "num_warps": _NUM_WARPS}
+    consts = {
+        "LEVELS": levels, "K": k, "KP": _pow2(k), "BLOCK": plan.wgrad_block, "num_warps": kern.wgrad_warps,
+        "maxnreg": kern.wgrad_maxnreg,
+    }  # fmt: skip
     if kern.wgrad_levels:
         kern.wgrad[(plan.level_programs + plan.wgrad_programs,)](
             grad_out, x, glow, low, params, coarse, part, batch, channels, *x.shape[2:], plan.span,
