@@ -18,7 +18,8 @@ def test_bench_features_3d_quick_with_the_lncc_term(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     markdown = out.read_text()
     assert "--part 3d --device cpu --cases 1 --distance cosine --distance lncc --features-lncc 1 --quick" in markdown
-    features = "features (warp_image) | features + 1 lncc | features (lncc distance) | features (lncc distance) + 1 lncc"
+    features = "features (warp_image) | features + 1 lncc | "
+    features += "features (lncc distance) | features (lncc distance) + 1 lncc"
     assert f"| pair | before | affine only | {features} | mi | lncc |" in markdown
     rows = [line for line in markdown.splitlines() if line.startswith(("| same |", "| inverted |", "| synth |"))]
     assert len(rows) == 3
