@@ -9,9 +9,10 @@ tilings (``VARIANTS``: the ``_Kernels`` fields of ``regkit_kernels.wtconv.ops``)
 and 2 (2D variants) or the 3D shape (3D variants) and checked the same way. Every configuration is compiled first, in
 parallel processes (10-25 s each on their own), so that a run stays within 150 s.
 
-Setup (the old kernels, once, before changing the package)::
+Setup (the old kernels: session 5's, commit c2ddbed, or any other commit's), once::
 
-    mkdir -p .scratch/wtconv_old && cp kernels/regkit_kernels/wtconv/*.py .scratch/wtconv_old/
+    mkdir -p .scratch/wtconv_old && for f in __init__ _tile kernels2d kernels3d ops; do
+        git show c2ddbed:kernels/regkit_kernels/wtconv/$f.py > .scratch/wtconv_old/$f.py; done
     sed -i 's/regkit_kernels\.wtconv\b/wtconv_old/g' .scratch/wtconv_old/*.py
 
 Run from the repository root on the GPU machine (carry ``.scratch/wtconv_old``); the table goes to stdout and, when
@@ -36,6 +37,7 @@ import torch
 import wtconv_old.ops as old
 
 import regkit_kernels.wtconv.ops as new
+from regkit_cli.bench._common import capture_graph
 
 # (name, x shape, levels, dtypes); k = 5 everywhere.
 CASES = [
@@ -128,15 +130,7 @@ def graphed_ms(ops, x: torch.Tensor, grad: torch.Tensor, params: list[torch.Tens
         out = ops.WTConvFunction.apply(*leaves)
         torch.autograd.grad(out, leaves, grad)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     times = []
     for _ in range(20):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

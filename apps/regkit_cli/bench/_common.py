@@ -49,20 +49,30 @@ def device_name(device: str) -> str:
     return f"CPU {cpu} ({threads} thread{'' if threads == 1 else 's'}), torch {torch.__version__}"
 
 
-def graphed_seconds(step: Any, reps: int = 10) -> float:
-    """Best time of ``step`` (CUDA work only, no host synchronisation) replayed from a CUDA graph: the GPU's own time,
-    without Python, autograd and launch overhead."""
+def capture_graph(step: Any) -> Any:
+    """``step`` (CUDA work) captured in a CUDA graph, after two warm-up calls on a side stream (allocator, lazy
+    initialisation, compiles, cuDNN autotuning outside the graph); returns the ``torch.cuda.CUDAGraph``, whose
+    ``replay()`` reruns the captured work on the graph's own buffers."""
     import torch
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, lazy initialisation)
+    with torch.cuda.stream(stream):
         for _ in range(2):
             step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    return graph
+
+
+def graphed_seconds(step: Any, reps: int = 10) -> float:
+    """Best time of ``step`` (CUDA work only, no host synchronisation) replayed from a CUDA graph: the GPU's own time,
+    without Python, autograd and launch overhead."""
+    import torch
+
+    graph = capture_graph(step)
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()

@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from regkit_cli.bench._common import capture_graph
+
 if TYPE_CHECKING:
     import torch
 
@@ -177,20 +179,7 @@ def _step(module: Any, x: Any, grad: Any) -> None:
 def _graphed_step(module: Any, x: Any, grad: Any) -> Callable[[], Any]:
     """One forward + backward captured in a CUDA graph (after warm-up steps on a side stream, which compile and, with
     ``cudnn.benchmark``, autotune); returns its replay. The gradients are written into the graph's own buffers."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            _step(module, x, grad)
-    torch.cuda.current_stream().wait_stream(side)
-    x.grad = None
-    module.zero_grad(set_to_none=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        module(x).backward(grad)
-    return graph.replay
+    return capture_graph(lambda: _step(module, x, grad)).replay
 
 
 # ---- measurements -------------------------------------------------------------------------------------------------
