@@ -4,6 +4,13 @@ The kernels read the layer's parameters as they are: each convolution's result i
 scale (and, for the Haar levels, by the orthonormal factor 1/2, so that the butterflies stay unnormalised). Sizes are
 run-time arguments, so one compilation serves every image size; only the kernel size, the number of levels and the
 block sizes are compile-time constants.
+
+Compile time: the helpers that a program calls once and that only store (``_level2d``, ``_wgrad2d_level``) are
+``noinline``, functions of their own in the compiled module. Triton's coalescing pass takes, for every load and
+store, the whole slice of operations connected to it, so its cost grows with the square of a function's size or more;
+inlined, the weight-gradient kernel's three copies of its level loop were one function, and the pass took 9 of its 12
+seconds of compile for sm_90 on the CPU. As functions of their own (the two calls with the same constants share one):
+3.3 s, with the same loop bodies in SASS and the same registers (``docs/benchmarks/wtconv_compile.py``).
 """
 
 import triton
@@ -81,7 +88,7 @@ def _haar_lowpasses2d_kernel(
         offset += tl.cast(P, tl.int64) * h * w
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _level2d(low_ptr, params_ptr, z_ptr, pid, B, C, H, W, LEVELS: tl.constexpr, K: tl.constexpr,
              DIR: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Program ``pid`` of the Haar levels 2..LEVELS (see ``_level_tile``): the depthwise conv (DIR = 1) or its adjoint
@@ -250,7 +257,7 @@ def _base_pixels(
     return _base_column(b00, b01, b10, b11, tx, col - 3, K, p0, p1, gb01, gb11)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _wgrad2d_level(
     g_ptr, src_ptr, part_ptr, c, ty, share, row, C, B, H, W, Hq, Wq, base_off, SPAN,
     K: tl.constexpr, BASE: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
