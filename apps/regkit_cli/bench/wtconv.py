@@ -22,7 +22,8 @@ depthwise k x k convolution with bias (cuDNN autotuning on).
   operators move nothing; workspaces are not counted, so this is a lower bound). Achieved bandwidth = I/O bytes over
   the fwd+bwd time, also as a share of the measured device-to-device copy bandwidth.
 * First use: seconds that the first forward + backward of a configuration takes beyond a warm one, in a fresh process
-  with an empty Triton cache (all configurations compile in parallel processes, so this is a bound per configuration).
+  with an empty Triton cache; one configuration at a time unless ``--first-use-jobs`` runs several processes at once
+  (then each competes with the others for the CPU, so its figure is an upper bound).
 
 ``--quick`` runs tiny shapes on the CPU in seconds (the fused rows only under ``TRITON_INTERPRET=1``); its times mean
 nothing.
@@ -313,12 +314,14 @@ def _first_use_worker() -> None:
     print(json.dumps({"first_use_s": (t1 - t0) - (time.perf_counter() - t1)}))
 
 
-def _first_use(cases: tuple[Case, ...], cache: Path) -> dict[tuple[Case, str], float | str]:
-    """First-use seconds of every fused configuration, each in a fresh process with an empty Triton cache (run in
-    parallel); their compiled kernels are then merged into ``cache`` so that this process finds them."""
-    jobs = []
-    for case in cases:
-        for version in ("fused fp32", "fused bf16"):
+def _first_use(cases: tuple[Case, ...], cache: Path, jobs: int) -> dict[tuple[Case, str], float | str]:
+    """First-use seconds of every fused configuration, each in a fresh process with an empty Triton cache, ``jobs``
+    processes at a time; their compiled kernels are then merged into ``cache`` so that this process finds them."""
+    pending = [(case, version) for case in cases for version in ("fused fp32", "fused bf16")]
+    results: dict[tuple[Case, str], float | str] = {}
+    while pending:
+        running = []
+        for case, version in pending[:jobs]:
             private = Path(tempfile.mkdtemp(prefix="regkit-triton-"))
             env = {**os.environ, "TRITON_CACHE_DIR": str(private)}
             spec = json.dumps({**asdict(case), "version": version})
@@ -326,16 +329,16 @@ def _first_use(cases: tuple[Case, ...], cache: Path) -> dict[tuple[Case, str], f
             proc = subprocess.Popen(
                 [sys.executable, "-c", code, spec], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
-            jobs.append((case, version, private, proc))
-    results: dict[tuple[Case, str], float | str] = {}
-    for case, version, private, proc in jobs:
-        out, err = proc.communicate(timeout=900)
-        if proc.returncode == 0:
-            results[(case, version)] = json.loads(out.strip().splitlines()[-1])["first_use_s"]
-            shutil.copytree(private, cache, dirs_exist_ok=True)
-        else:
-            results[(case, version)] = "failed: " + (err.strip().splitlines() or ["?"])[-1][:80]
-        shutil.rmtree(private, ignore_errors=True)
+            running.append((case, version, private, proc))
+        del pending[:jobs]
+        for case, version, private, proc in running:
+            out, err = proc.communicate(timeout=900)
+            if proc.returncode == 0:
+                results[(case, version)] = json.loads(out.strip().splitlines()[-1])["first_use_s"]
+                shutil.copytree(private, cache, dirs_exist_ok=True)
+            else:
+                results[(case, version)] = "failed: " + (err.strip().splitlines() or ["?"])[-1][:80]
+            shutil.rmtree(private, ignore_errors=True)
     return results
 
 
@@ -427,6 +430,9 @@ def wtconv(
     first_use: Annotated[
         bool, typer.Option("--first-use/--no-first-use", help="Measure first-use (compile) time per configuration.")
     ] = True,
+    first_use_jobs: Annotated[
+        int, typer.Option("--first-use-jobs", min=1, help="First-use processes at a time (1: one configuration alone).")
+    ] = 1,
     ndim: Annotated[
         int | None,
         typer.Option(
@@ -454,7 +460,9 @@ def wtconv(
     else:
         name, copy_bw = f"CPU, torch {torch.__version__} (timings meaningless)", None
     console.print(name)
-    first = _first_use(cases, Path(os.environ["TRITON_CACHE_DIR"])) if device == "cuda" and first_use else {}
+    first = {}
+    if device == "cuda" and first_use:
+        first = _first_use(cases, Path(os.environ["TRITON_CACHE_DIR"]), first_use_jobs)
     time_it = _timer(device, 0.5, 30) if not quick else _timer(device, 0.0, 1, warm_up=False)
     results: dict[tuple[Case, str], dict[str, Any]] = {}
     markdown = [f"### `regkit bench wtconv{' --quick' if quick else ''}`", "", name, ""]
