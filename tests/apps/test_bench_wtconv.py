@@ -27,6 +27,8 @@ def test_bench_wtconv_quick_prints_and_writes_tables(tmp_path: Path) -> None:
     for version in ("authors' layer", "authors' layer (cudnn.benchmark)"):  # 2D only
         assert markdown.count(f"| {version} |") == 1
     assert "2D fused fp32 fwd+bwd: " in markdown and "geometric mean" in markdown
+    assert "(1, 2, 8, 6) L2 k3: interleaved eager fwd+bwd, 3 rounds: fused fp32 " in markdown
+    assert "per round bf16 / fp32 " in markdown and "(1, 1, 4, 4, 3) L1 k3: interleaved" not in markdown  # 2D only
 
 
 def test_bench_wtconv_ndim_keeps_only_those_shapes(tmp_path: Path) -> None:

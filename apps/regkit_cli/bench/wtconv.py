@@ -16,6 +16,9 @@ depthwise k x k convolution with bias (cuDNN autotuning on).
   the input x and output gradient included (x alone is given in each table's title). "peak, sum loss" is the same
   for a step whose loss is the output's sum (``layer(x).sum().backward()``): no output gradient is allocated up front,
   and the output is freed once summed, as in a training step whose next operation does not keep it.
+* Interleaved: for each 2D shape, the eager fwd+bwd of the fused fp32 and bf16 layers and the reference layer timed
+  round by round in one loop (a step of each per round), with the medians of the per-round ratios: a comparison that
+  drifts in the GPU's or the host's speed cannot tilt, as they can between rows measured one after another.
 * I/O model: the bytes a version must move through HBM if every kernel reads its inputs once and writes its outputs
   once. For the fused kernels it is counted from their launches; for the PyTorch versions every ATen operator of the
   forward and backward passes is traced on the meta device and its tensor arguments and results are summed (view
@@ -62,6 +65,8 @@ _VERSIONS = (
     "authors' layer (cudnn.benchmark)",
     "depthwise conv",
 )
+# The versions timed round by round in one loop (see _interleaved).
+_INTERLEAVED = ("fused fp32", "fused bf16", "reference")
 # Versions that run with cuDNN autotuning off (PyTorch's default); every other one runs with it on.
 _CUDNN_DEFAULT = ("reference", "authors' layer")
 
@@ -186,22 +191,29 @@ def _graphed_step(module: Any, x: Any, grad: Any) -> Callable[[], Any]:
 # ---- measurements -------------------------------------------------------------------------------------------------
 
 
+def _once(device: str, fn: Callable[[], Any]) -> float:
+    """Milliseconds of one call of ``fn``: CUDA events around it on the GPU (so the time from the first launch to the
+    end of the last kernel), the wall clock on the CPU."""
+    import torch
+
+    if device != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return 1000 * (time.perf_counter() - t0)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end)
+
+
 def _timer(device: str, budget_s: float, max_runs: int, warm_up: bool = True) -> Callable[[Callable[[], Any]], float]:
     """A function that times ``fn`` after one warm-up call and returns the median in ms: runs while within
     ``budget_s`` seconds, at least 3 (1 if the warm-up alone took longer than the budget), at most ``max_runs``."""
-    import torch
 
     def once(fn: Callable[[], Any]) -> float:
-        if device != "cuda":
-            t0 = time.perf_counter()
-            fn()
-            return 1000 * (time.perf_counter() - t0)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end)
+        return _once(device, fn)
 
     def time_it(fn: Callable[[], Any]) -> float:
         least = min(3, max_runs)
@@ -247,6 +259,45 @@ def _measure(case: Case, version: str, device: str, time_it: Callable[[Callable[
         result["peak_sum_bytes"] = torch.cuda.max_memory_allocated() - base - unused
         result["graph_ms"] = time_it(_graphed_step(module, x, grad))
     return result
+
+
+def _interleaved(case: Case, device: str, budget_s: float, max_rounds: int) -> dict[str, float]:
+    """Eager forward + backward of the fused fp32 and bf16 layers and the reference layer (PyTorch's default cuDNN
+    setting), interleaved: every round times one step of each, so that drifts in the GPU's or the host's speed during
+    the measurement fall on all three alike (the per-version rows are measured one version after another). Returns
+    the median step of each (ms), the medians over rounds of the ratios bf16 / fp32 and reference / fp32, and the
+    number of rounds (at least 3, then while within ``budget_s``)."""
+    import torch
+
+    if device == "cuda":
+        torch.backends.cudnn.benchmark = False
+    built = {version: _build(case, version, device) for version in _INTERLEAVED}
+    steps = {version: (lambda b=b: _step(*b)) for version, b in built.items()}
+    for step in steps.values():  # warm-up: compile and allocate
+        step()
+    times: dict[str, list[float]] = {version: [] for version in _INTERLEAVED}
+    start = time.perf_counter()
+    while len(times["reference"]) < max_rounds and (
+        len(times["reference"]) < 3 or time.perf_counter() - start < budget_s
+    ):
+        for version, step in steps.items():
+            times[version].append(_once(device, step))
+    fp32, bf16, ref = (times[v] for v in _INTERLEAVED)
+    return {
+        **{version: statistics.median(t) for version, t in times.items()},
+        "bf16 / fp32": statistics.median(b / f for b, f in zip(bf16, fp32, strict=True)),
+        "reference / fp32": statistics.median(r / f for r, f in zip(ref, fp32, strict=True)),
+        "rounds": len(fp32),
+    }
+
+
+def _interleaved_line(case: Case, result: dict[str, float]) -> str:
+    return (
+        f"{case.name}: interleaved eager fwd+bwd, {result['rounds']:.0f} rounds: fused fp32 "
+        f"{_fmt(result['fused fp32'])}, fused bf16 {_fmt(result['fused bf16'])}, reference "
+        f"{_fmt(result['reference'])} ms; per round bf16 / fp32 {result['bf16 / fp32']:.3f}, reference / fused fp32 "
+        f"{result['reference / fp32']:.2f} (medians)."
+    )
 
 
 def _copy_bandwidth() -> float:
@@ -463,7 +514,7 @@ def wtconv(
     first = {}
     if device == "cuda" and first_use:
         first = _first_use(cases, Path(os.environ["TRITON_CACHE_DIR"]), first_use_jobs)
-    time_it = _timer(device, 0.5, 30) if not quick else _timer(device, 0.0, 1, warm_up=False)
+    time_it = _timer(device, 0.5, 100) if not quick else _timer(device, 0.0, 1, warm_up=False)
     results: dict[tuple[Case, str], dict[str, Any]] = {}
     markdown = [f"### `regkit bench wtconv{' --quick' if quick else ''}`", "", name, ""]
     for case in cases:
@@ -485,6 +536,9 @@ def wtconv(
         console.print(table)
         markdown.append(md)
     summary = _summary(results, cases)
+    if fused_ok:
+        budget = 0.0 if quick else 2.0
+        summary += [_interleaved_line(c, _interleaved(c, device, budget, 300)) for c in cases if c.ndim == 2]
     for line in summary:
         console.print(line)
     markdown += [*summary, ""]
