@@ -264,9 +264,11 @@ def _measure(case: Case, version: str, device: str, time_it: Callable[[Callable[
 def _interleaved(case: Case, device: str, budget_s: float, max_rounds: int) -> dict[str, float]:
     """Eager forward + backward of the fused fp32 and bf16 layers and the reference layer (PyTorch's default cuDNN
     setting), interleaved: every round times one step of each, so that drifts in the GPU's or the host's speed during
-    the measurement fall on all three alike (the per-version rows are measured one version after another). Returns
-    the median step of each (ms), the medians over rounds of the ratios bf16 / fp32 and reference / fp32, and the
-    number of rounds (at least 3, then while within ``budget_s``)."""
+    the measurement fall on all three alike (the per-version rows are measured one version after another). The order
+    rotates from round to round: a step that follows another version's runs with the host's caches holding that
+    version's code, which costs a host-bound step more than one that follows itself. Returns the median step of each
+    (ms), the medians over rounds of the ratios bf16 / fp32 and reference / fp32, and the number of rounds (a multiple
+    of 3, at least 3, then while within ``budget_s``)."""
     import torch
 
     if device == "cuda":
@@ -276,12 +278,12 @@ def _interleaved(case: Case, device: str, budget_s: float, max_rounds: int) -> d
     for step in steps.values():  # warm-up: compile and allocate
         step()
     times: dict[str, list[float]] = {version: [] for version in _INTERLEAVED}
-    start = time.perf_counter()
-    while len(times["reference"]) < max_rounds and (
-        len(times["reference"]) < 3 or time.perf_counter() - start < budget_s
-    ):
-        for version, step in steps.items():
-            times[version].append(_once(device, step))
+    start, rounds = time.perf_counter(), 0
+    while rounds < max_rounds and (rounds < 3 or rounds % 3 or time.perf_counter() - start < budget_s):
+        for i in range(3):
+            version = _INTERLEAVED[(rounds + i) % 3]
+            times[version].append(_once(device, steps[version]))
+        rounds += 1
     fp32, bf16, ref = (times[v] for v in _INTERLEAVED)
     return {
         **{version: statistics.median(t) for version, t in times.items()},
