@@ -17,8 +17,9 @@ depthwise k x k convolution with bias (cuDNN autotuning on).
   for a step whose loss is the output's sum (``layer(x).sum().backward()``): no output gradient is allocated up front,
   and the output is freed once summed, as in a training step whose next operation does not keep it.
 * Interleaved: for each 2D shape, the eager fwd+bwd of the fused fp32 and bf16 layers and the reference layer timed
-  round by round in one loop (a step of each per round), with the medians of the per-round ratios: a comparison that
-  drifts in the GPU's or the host's speed cannot tilt, as they can between rows measured one after another.
+  round by round in one loop (a step of each per round, the order rotating), with the medians of the per-round
+  ratios: a comparison that drifts in the GPU's or the host's speed cannot tilt, as they can between rows measured
+  one after another.
 * I/O model: the bytes a version must move through HBM if every kernel reads its inputs once and writes its outputs
   once. For the fused kernels it is counted from their launches; for the PyTorch versions every ATen operator of the
   forward and backward passes is traced on the meta device and its tensor arguments and results are summed (view
@@ -212,17 +213,14 @@ def _timer(device: str, budget_s: float, max_runs: int, warm_up: bool = True) ->
     """A function that times ``fn`` after one warm-up call and returns the median in ms: runs while within
     ``budget_s`` seconds, at least 3 (1 if the warm-up alone took longer than the budget), at most ``max_runs``."""
 
-    def once(fn: Callable[[], Any]) -> float:
-        return _once(device, fn)
-
     def time_it(fn: Callable[[], Any]) -> float:
         least = min(3, max_runs)
-        if warm_up and once(fn) > 1000 * budget_s:
+        if warm_up and _once(device, fn) > 1000 * budget_s:
             least = 1
         times: list[float] = []
         start = time.perf_counter()
         while len(times) < max_runs and (len(times) < least or time.perf_counter() - start < budget_s):
-            times.append(once(fn))
+            times.append(_once(device, fn))
         return statistics.median(times)
 
     return time_it
