@@ -421,6 +421,10 @@ def _neg_entropy(p: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return (p * torch.log(p.clamp_min(_TINY))).sum(dims)
 
 
+FEATURE_MODES = ("warp_image", "warp_features")  # what the features similarity warps (see below)
+FEATURE_DISTANCES = ("cosine", "lncc")  # its distances between feature maps
+
+
 @register_similarity("features")
 class FeatureSimilarity(Similarity):
     """A distance between the L2-normalised features ``F`` of the feature network (``regkit.features.network``, full
@@ -457,10 +461,11 @@ class FeatureSimilarity(Similarity):
         distance: str = "cosine",
     ) -> None:
         super().__init__()
-        if mode not in ("warp_image", "warp_features"):
-            raise ConfigError(f"features mode must be 'warp_image' or 'warp_features', got {mode!r}")
-        if distance not in ("cosine", "lncc"):
-            raise ConfigError(f"features distance must be 'cosine' or 'lncc', got {distance!r}")
+        if mode not in FEATURE_MODES:
+            raise ConfigError(f"features mode must be {' or '.join(map(repr, FEATURE_MODES))}, got {mode!r}")
+        if distance not in FEATURE_DISTANCES:
+            choices = " or ".join(map(repr, FEATURE_DISTANCES))
+            raise ConfigError(f"features distance must be {choices}, got {distance!r}")
         if lncc_weight < 0:
             raise ConfigError(f"features lncc_weight must be at least 0, got {lncc_weight}")
         self.mode = mode

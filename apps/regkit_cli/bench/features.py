@@ -378,13 +378,15 @@ def features(
     import torch
     from rich.console import Console
 
+    from regkit.similarity import FEATURE_DISTANCES, FEATURE_MODES
+
     if device is Device.cuda and not torch.cuda.is_available():
         raise typer.BadParameter("CUDA is not available here", param_hint="--device")
-    if mode not in ("warp_image", "warp_features"):
-        raise typer.BadParameter("choose warp_image or warp_features", param_hint="--mode")
-    distances = distance or ["cosine"]
-    if any(d not in ("cosine", "lncc") for d in distances):
-        raise typer.BadParameter("choose cosine or lncc", param_hint="--distance")
+    if mode not in FEATURE_MODES:
+        raise typer.BadParameter(f"choose {' or '.join(FEATURE_MODES)}", param_hint="--mode")
+    distances = distance or [FEATURE_DISTANCES[0]]
+    if any(d not in FEATURE_DISTANCES for d in distances):
+        raise typer.BadParameter(f"choose {' or '.join(FEATURE_DISTANCES)}", param_hint="--distance")
     if threads is not None:
         torch.set_num_threads(threads)
     parts = part or list(Part)

@@ -31,6 +31,11 @@ from regkit_kernels.wtconv._tile import (
     _within,
 )
 
+# The weight-gradient kernel's layout, read by ops.py's plan too: an element of a step is WGRAD_PAIR neighbouring
+# positions along x, and a share writes BASE_SLOTS partial sums of the base weights (one per phase row).
+WGRAD_PAIR: tl.constexpr = tl.constexpr(2)
+BASE_SLOTS: tl.constexpr = tl.constexpr(2)
+
 
 @triton.jit
 def _store_bands2d(ptrs, size, e0, e1, e2, e3, ok):
@@ -226,7 +231,7 @@ def _wtconv2d_bwd_kernel(
     else:
         _wgrad_finalize(
             part_ptr, params_ptr, wb_ptr, sb_ptr, bias_ptr, grads_ptr, pid - DX_PROGRAMS, B, C, 1, H, W, SPAN, LEVELS,
-            4, K * K, TAPS, HAS_BIAS, 2, 2,
+            4, K * K, TAPS, HAS_BIAS, BASE_SLOTS, WGRAD_PAIR,
         )  # fmt: skip
 
 
@@ -398,7 +403,7 @@ def _wtconv2d_wgrad_kernel(
         _level2d(glow_ptr, params_ptr, dz_ptr, pid, B, C, H, W, LEVELS, K, -1, LEVEL_BLOCK)
     else:
         level, local, row0, off, _, h_in, w_in, rows = _wgrad_plan(
-            pid - LEVEL_PROGRAMS, B, C, C * K, 1, H, W, SPAN, LEVELS, 2
+            pid - LEVEL_PROGRAMS, B, C, C * K, 1, H, W, SPAN, LEVELS, WGRAD_PAIR
         )
         ty = local % K
         c = local // K % C

@@ -24,6 +24,9 @@ from regkit_kernels.wtconv._tile import (
 )
 
 _R3: tl.constexpr = tl.constexpr(0.35355339059327373)  # 2**(-3/2), the orthonormal 3D Haar factor
+# The weight-gradient kernel's layout (see kernels2d.py): one position per element, one base partial sum per share.
+WGRAD_PAIR: tl.constexpr = tl.constexpr(1)
+BASE_SLOTS: tl.constexpr = tl.constexpr(1)
 
 
 @triton.jit
@@ -267,7 +270,7 @@ def _wtconv3d_bwd_kernel(
     else:
         _wgrad_finalize(
             part_ptr, params_ptr, wb_ptr, sb_ptr, bias_ptr, grads_ptr, pid - DX_PROGRAMS, B, C, D, H, W, SPAN, LEVELS,
-            8, KKK, TAPS, HAS_BIAS, 1, 1,
+            8, KKK, TAPS, HAS_BIAS, BASE_SLOTS, WGRAD_PAIR,
         )  # fmt: skip
 
 
@@ -413,7 +416,7 @@ def _wtconv3d_wgrad_kernel(
     level 1 reads dy and x, deeper levels the low-pass buffers. (Unlike 2D, the levels' backward is a launch of its
     own: its registers would halve this kernel's occupancy.)"""
     level, local, row0, off, d_in, h_in, w_in, rows = _wgrad_plan(
-        tl.program_id(0), B, C, C * K * K, D, H, W, SPAN, LEVELS, 1
+        tl.program_id(0), B, C, C * K * K, D, H, W, SPAN, LEVELS, WGRAD_PAIR
     )
     ty = local % K
     tz = local // K % K

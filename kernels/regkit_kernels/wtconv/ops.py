@@ -50,6 +50,7 @@ import triton
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from regkit_kernels.wtconv import kernels2d, kernels3d
 from regkit_kernels.wtconv.kernels2d import (
     _haar_lowpasses2d_kernel,
     _wtconv2d_bwd_kernel,
@@ -81,8 +82,8 @@ class _Kernels:
     wgrad_programs: int  # level-1 weight-gradient programs wanted per multiprocessor (sets the span of a program)
     wgrad_warps: int
     wgrad_maxnreg: int | None  # a register cap for the weight-gradient kernel (None: the compiler's choice)
-    base_slots: int  # partial sums of the base weights per share (2D: one per phase row, see ``_wgrad2d_level``)
-    wgrad_pair: int  # positions along x per element of a weight-gradient step (2D: pairs, see ``_wgrad2d_level``)
+    base_slots: int  # partial sums of the base weights per share (the kernels' BASE_SLOTS)
+    wgrad_pair: int  # positions along x per element of a weight-gradient step (the kernels' WGRAD_PAIR)
 
 
 # One table picks the 2D or 3D kernels. Block sizes: the best of small sweeps on an H200 (docs/wtconv_notes.md; the 2D
@@ -101,8 +102,8 @@ _KERNELS = {
         32,
         4,
         None,
-        2,
-        2,
+        kernels2d.BASE_SLOTS.value,
+        kernels2d.WGRAD_PAIR.value,
     ),
     3: _Kernels(
         _haar_lowpasses3d_kernel,
@@ -116,8 +117,8 @@ _KERNELS = {
         32,
         4,
         None,
-        1,
-        1,
+        kernels3d.BASE_SLOTS.value,
+        kernels3d.WGRAD_PAIR.value,
     ),
 }
 _NUM_WARPS = 4
