@@ -168,6 +168,7 @@ stages:
 """
 
 
+@pytest.mark.slow  # a whole benchmark run: over 30 s on 2 cores
 def test_tiny_regkit_only_run_writes_the_tables(tmp_path: Path):
     config = tmp_path / "tiny.yaml"
     config.write_text(_TINY_2D)

@@ -32,6 +32,7 @@ def test_make_pairs_writes_same_shape_pairs_with_labels(tmp_path: Path) -> None:
     assert volume.grid.size == (12, 12, 12)
 
 
+@pytest.mark.slow  # a whole benchmark run: over 30 s on 2 cores
 def test_bench_batch_tiny_2d_run_writes_the_table(tmp_path: Path) -> None:
     pytest.importorskip("dask.distributed")
     config = tmp_path / "tiny.yaml"

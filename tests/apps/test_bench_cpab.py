@@ -6,11 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from regkit_cli.main import app
 
 
+@pytest.mark.slow  # a whole benchmark run: over 30 s on 2 cores
 def test_bench_cpab_quick_prints_and_writes_tables(tmp_path: Path) -> None:
     out = tmp_path / "bench.md"
     result = CliRunner().invoke(app, ["bench", "cpab", "--quick", "--output", str(out)])

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from regkit_cli.main import app
 
 
+@pytest.mark.slow  # a whole benchmark run: over 30 s on 2 cores
 def test_bench_features_3d_quick_with_the_lncc_term(tmp_path: Path) -> None:
     out = tmp_path / "features.md"
     args = ["bench", "features", "--part", "3d", "--quick", "--cases", "1", "--features-lncc", "1", "--output", out]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from regkit_cli.main import app
 from tests.apps.test_cli_demo import _TINY
 
 
+@pytest.mark.slow  # a whole benchmark run: over 30 s on 2 cores
 def test_bench_registration_2mm_writes_the_table(tmp_path: Path) -> None:
     config = tmp_path / "tiny.yaml"
     config.write_text(_TINY)

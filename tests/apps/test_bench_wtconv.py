@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from regkit_cli.main import app
 
 
+@pytest.mark.slow  # a whole benchmark run: over 30 s on 2 cores
 def test_bench_wtconv_quick_prints_and_writes_tables(tmp_path: Path) -> None:
     out = tmp_path / "bench.md"
     result = CliRunner().invoke(app, ["bench", "wtconv", "--quick", "--output", str(out)])
