@@ -305,6 +305,7 @@ def run_demo(
     start = time.perf_counter()
     out = check_output_dir(out_dir, overwrite)
     cfg = load_config(config)
+    aal_atlas_path()  # a missing atlas is one line before anything is printed
     say("regkit demo: the MNI152 2009a T1 (2 mm) against a known smooth deformation of itself with another contrast")
     pair = demo_pair()
     say(f"  pair and AAL labels generated in {time.perf_counter() - start:.1f} s; registering on {device} ...")
