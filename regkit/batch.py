@@ -3,7 +3,8 @@
 A batch spec (YAML; every relative path is resolved against the spec file's folder)::
 
     defaults: quick-2d                 # a preset name, a YAML config file, or a config mapping (may have `base:`)
-    output: results                    # the output root: manifest, lock and the job folders
+    output: results                    # the output root: lock, summary, report and the job folders
+    manifest: /local/disk/study.sqlite # optional; default: manifest.sqlite in the output root
     layout: "{out}/{moving_stem}_to_{fixed_stem}"   # optional; fields: out, fixed_stem, moving_stem,
                                                     # fixed_parent, moving_parent (folder names), index (0-based)
     jobs:                              # explicit pairs; optional labels/masks and a per-job `config`
@@ -24,36 +25,39 @@ may be combined. :func:`load_spec` validates everything before any work: the sch
 registration configuration, each input (exists, header readable), globs that match nothing, and two jobs with one
 output folder; each problem is a :class:`~regkit.errors.ConfigError` ``FILE:LINE: key.path: message``.
 
-Running (:func:`run_batch`): the output root holds ``manifest.sqlite`` (SQLite in WAL mode, every write one short
-transaction; written only by the process running the batch, also with dask, whose workers return their outcomes)
-with each job's state (pending, running, done, failed), its inputs' sizes and mtimes, its configuration hash
-(:func:`regkit.config.config_hash`), its one-line error and its timings. A job is skipped when it is done with
-unchanged inputs and configuration and its output folder holds ``transform.json`` (folders are written atomically by
-:func:`regkit.outputs.write_outputs`, so a folder that exists is complete, even after ``kill -9``); failed jobs are
-skipped unless ``retry_failed`` (or their inputs changed); ``force`` reruns everything. A failing job is recorded
-and the others go on. At the end of every run (a rerun too, and one stopped by an exception or Ctrl-C), the output
-root gets, written atomically, ``summary.csv`` with one row per job of the plan (:data:`SUMMARY_COLUMNS`) and
-``report.html`` (:func:`write_report`: a self-contained page with a sortable table, QC thumbnails and metric
-histograms). ``.batch.lock`` in the output root is held with ``fcntl.flock`` for the
-whole run: a second run on the same root is refused.
+Running (:func:`run_batch`): the manifest (:class:`Manifest`, SQLite with a rollback journal, so that it may live on a
+network file system; ``manifest.sqlite`` in the output root unless the spec's ``manifest`` or ``--manifest`` puts it
+elsewhere, e.g. on a local disk) holds each job's state (pending, running, done, failed), its inputs' sizes and mtimes,
+its configuration hash (:func:`regkit.config.config_hash`), its one-line error and its timings. Only the process
+running the batch writes it, also with dask, whose workers return their outcomes to it. A job is skipped when it is
+done with unchanged inputs and configuration and its output folder holds ``transform.json`` (folders are written
+atomically by :func:`regkit.outputs.write_outputs`, so a folder that exists is complete, even after ``kill -9``);
+failed jobs are skipped unless ``retry_failed`` (or their inputs changed); ``force`` reruns everything. A failing job
+is recorded and the others go on. At the end of every run (a rerun too, and one stopped by an exception or Ctrl-C),
+the output root gets, written atomically, ``summary.csv`` with one row per job of the plan (:data:`SUMMARY_COLUMNS`)
+and ``report.html`` (:func:`write_report`: a self-contained page with a sortable table, QC thumbnails and metric
+histograms). ``.batch.lock`` in the output root is held for the whole run (:func:`lock_output_root`): a second run on
+the same root is refused.
 
 Executors: ``local`` runs the jobs one after another in this process, each on its configuration's ``device``.
 ``dask`` runs each job as one task of :func:`execute_job` (as the local executor does) on a dask.distributed cluster:
 
 * by default a local cluster of single-threaded worker processes (:func:`plan_local_workers`): one per GPU when the
   jobs may use a GPU (device ``auto`` or ``cuda``) and GPUs exist, each pinned to its GPU by ``CUDA_VISIBLE_DEVICES``
-  (so ``cuda`` in a worker is its GPU); otherwise 2, or ``workers``; the CPU cores are shared evenly among them;
-* or an existing scheduler at ``scheduler``. On SLURM or PBS, start the cluster with dask-jobqueue in a separate
-  Python session that stays alive (docs/batch.md has the details)::
+  (so ``cuda`` in a worker is its GPU) and declaring the dask resource ``GPU=1``; otherwise 2, or ``workers``, without
+  resources; the CPU cores are shared evenly among them;
+* or an existing scheduler at ``scheduler``, e.g. a SLURM or PBS cluster started with dask-jobqueue in a separate
+  Python session that stays alive (docs/batch.md has the recipe), then
+  ``regkit batch spec.yaml --executor dask --scheduler tcp://10.0.0.5:8786``. The workers must see the inputs and the
+  output root at the same paths (a shared file system) and have the client's regkit version installed.
 
-    from dask_jobqueue import SLURMCluster      # or PBSCluster (resource_spec="select=1:ncpus=4:ngpus=1:mem=16GB")
-    cluster = SLURMCluster(cores=1, processes=1, job_cpu=4, memory="16GB", walltime="02:00:00",
-                           job_extra_directives=["--gres=gpu:1"], job_script_prologue=["export OMP_NUM_THREADS=4"])
-    cluster.scale(jobs=8)                       # 8 SLURM jobs, one worker each: one registration at a time on its GPU
-    print(cluster.scheduler_address)            # e.g. tcp://10.0.0.5:8786
-
-  then ``regkit batch spec.yaml --executor dask --scheduler tcp://10.0.0.5:8786``. The workers must see the inputs and
-  the output root at the same paths (a shared file system) and have regkit installed.
+A job whose device is ``cuda`` asks for the resource ``GPU=1`` (:func:`job_resources`): dask runs it only on a worker
+that declares it (``--resources GPU=1``); ``cpu`` and ``auto`` jobs ask for nothing (``auto``: the GPU of the worker
+that runs it if it has one, else its CPU). The client registers regkit's dask WorkerPlugin (:func:`worker_plugin`) on
+the cluster; its setup on every worker, present or joining later, checks that the worker's regkit version is the
+client's, pins a worker that sees several GPUs to one of them, sets the torch threads (:func:`worker_threads`),
+applies the process settings of :mod:`regkit.process` (the allocator, overriding dask's ``MALLOC_TRIM_THRESHOLD_``,
+and the OpenMP wait policy) and points the numba and Triton caches at node-local disk (:func:`node_cache_dir`).
 
 Pairs are registered one per call, also when several have the same shape: :func:`regkit.engine.register` optimizes
 one transformation (its own tessellation schedule, stopping rule and optimizer state), and each iteration's work, the
@@ -67,25 +71,30 @@ from __future__ import annotations
 import base64
 import contextlib
 import csv
-import fcntl
+import dataclasses
+import functools
 import glob as globlib
 import html
 import io
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import sqlite3
 import string
 import struct
+import tempfile
 import time
+import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from filelock import FileLock, Timeout
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from regkit.config import (
@@ -109,8 +118,10 @@ from regkit.errors import ConfigError, RegkitError
 __all__ = [
     "INPUT_KEYS",
     "MANIFEST",
+    "NODE_CACHE",
     "REPORT",
     "SUMMARY_COLUMNS",
+    "WORKER_THREADS",
     "BatchLockedError",
     "BatchReport",
     "BatchSpec",
@@ -118,17 +129,22 @@ __all__ = [
     "JobOutcome",
     "LocalWorker",
     "Manifest",
+    "ManifestError",
     "Plan",
     "device_label",
     "execute_job",
+    "job_resources",
     "load_spec",
     "local_workers_for",
     "lock_output_root",
+    "node_cache_dir",
     "plan_actions",
     "plan_local_workers",
     "run_batch",
     "run_job",
     "summary_rows",
+    "worker_plugin",
+    "worker_threads",
     "write_report",
     "write_summary",
 ]
@@ -136,7 +152,14 @@ __all__ = [
 INPUT_KEYS = ("fixed", "moving", "fixed_labels", "moving_labels", "fixed_mask", "moving_mask")
 """The input files of a job, in the order they are listed and fingerprinted."""
 MANIFEST = "manifest.sqlite"
+"""The manifest's file name in the output root, unless the spec's ``manifest`` (or ``--manifest``) names another."""
+NODE_CACHE = "REGKIT_NODE_CACHE"
+"""Environment variable of a dask worker: the folder of its numba and Triton caches (:func:`node_cache_dir`)."""
+WORKER_THREADS = "REGKIT_WORKER_THREADS"
+"""Environment variable of a dask worker: the torch threads of its jobs (:func:`worker_threads`)."""
 _LOCK = ".batch.lock"
+_HOLDER = ".batch.holder"  # who holds the lock, for the message of a refused run
+_PLUGIN = "regkit"  # the name of RegkitWorkerPlugin on a dask cluster
 _LAYOUT_FIELDS = {"out", "fixed_stem", "moving_stem", "fixed_parent", "moving_parent", "index"}
 _IMAGE_SUFFIXES = (".nii.gz", ".nii", ".mha", ".mhd", ".nrrd", ".nhdr", ".png")
 
@@ -188,6 +211,9 @@ class BatchSpec(_Model):
 
     defaults: str | dict[str, Any] = Field(description="A preset name, a config file, or a config mapping.")
     output: str = Field(description="The output root folder.")
+    manifest: str | None = Field(
+        default=None, description="The manifest file (default: manifest.sqlite in the output root), e.g. on local disk."
+    )
     layout: str = Field(default="{out}/{moving_stem}_to_{fixed_stem}", description="Each job's output folder.")
     jobs: Seq[JobEntry] = Field(default=(), description="Explicit pairs.")
     csv: str | None = Field(default=None, description="A CSV of pairs (columns fixed, moving, ...).")
@@ -246,16 +272,13 @@ class Job:
 
 @dataclass(frozen=True)
 class Plan:
-    """A validated batch: the spec file, the output root and the jobs in order."""
+    """A validated batch: the spec file, the output root, the jobs in order and the manifest file (by default
+    :data:`MANIFEST` in the output root)."""
 
     spec_path: Path
     root: Path
     jobs: list[Job]
-
-    @property
-    def manifest(self) -> Path:
-        """The manifest file of the output root."""
-        return self.root / MANIFEST
+    manifest: Path
 
 
 def _stem(path: Path) -> str:
@@ -409,8 +432,9 @@ def _check_input(path: Path, where: str) -> None:
         raise ConfigError(f"{where}: cannot read the image header of {path} (corrupt or not an image)") from None
 
 
-def load_spec(spec_path: str | os.PathLike) -> Plan:
+def load_spec(spec_path: str | os.PathLike, manifest: str | os.PathLike | None = None) -> Plan:
     """Read and validate a batch spec (module docstring) into a :class:`Plan`, checking every input's header.
+    ``manifest`` (``--manifest``), relative to the current folder, replaces the spec's ``manifest``.
 
     Raises :class:`~regkit.errors.ConfigError` ``FILE:LINE: key.path: message`` on the first problem.
     """
@@ -435,6 +459,14 @@ def load_spec(spec_path: str | os.PathLike) -> Plan:
         drafts += reader.from_glob(spec.glob)
 
     root = reader.path(spec.output)
+    if manifest is not None:
+        manifest_path, where = Path(os.path.abspath(manifest)), "--manifest"
+    elif spec.manifest is not None:
+        manifest_path, where = reader.path(spec.manifest), reader.where(("manifest",))
+    else:
+        manifest_path, where = root / MANIFEST, reader.where(("output",))
+    if manifest_path.is_dir():
+        raise ConfigError(f"{where}: the manifest {manifest_path} is a folder; give a file path")
     defaults = reader.config_layer(spec.defaults, ("defaults",))
     default_config = _validate_config(defaults)
     checked: set[Path] = set()
@@ -473,7 +505,7 @@ def load_spec(spec_path: str | os.PathLike) -> Plan:
             )
         seen[out_dir] = f"job {index} ({fixed.name}, {moving.name})"
         jobs.append(Job(out_dir.relative_to(root).as_posix(), draft.inputs, config, out_dir))
-    return Plan(spec_path.absolute(), root, jobs)
+    return Plan(spec_path.absolute(), root, jobs, manifest_path)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -496,28 +528,80 @@ CREATE TABLE IF NOT EXISTS jobs (
 """
 
 
+class ManifestError(RegkitError):
+    """A manifest that SQLite cannot use: not a regkit manifest, or a file system on which it cannot lock it."""
+
+
+def _manifest_error(path: Path, err: sqlite3.Error) -> ManifestError:
+    """The one-line error of a manifest that SQLite refused: a lock it could not take (or an I/O error), or a file
+    that is not a regkit manifest."""
+    if isinstance(err, sqlite3.OperationalError):
+        return ManifestError(
+            f"{path}: {err} (where its file system has no file locks, give the manifest a path on a local disk: "
+            "--manifest or the spec's `manifest`)"
+        )
+    return ManifestError(f"{path}: not a regkit manifest ({err})")
+
+
+def _is_wal(path: Path) -> bool:
+    """Whether the SQLite file at ``path`` is in WAL mode: bytes 18 and 19 of its header, the file format's write and
+    read versions, are 2 (1: a rollback journal)."""
+    with open(path, "rb") as handle:
+        return handle.read(20)[18:20] == b"\x02\x02"
+
+
+def _select_rows(uri: str) -> dict[str, dict[str, Any]]:
+    """Every job's row of the SQLite database at ``uri`` (a ``file:`` URI), by name; empty where the table is not
+    created yet (a run that is just starting)."""
+    con = sqlite3.connect(uri, timeout=60.0, uri=True)
+    try:
+        con.row_factory = sqlite3.Row
+        if con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'jobs'").fetchone() is None:
+            return {}
+        return {row["name"]: dict(row) for row in con.execute("SELECT * FROM jobs")}
+    finally:
+        con.close()
+
+
 class Manifest:
-    """The SQLite manifest of an output root: one row per job. Each method is one short transaction on its own
-    connection (WAL mode, busy timeout), so any number of processes may use one manifest at once."""
+    """The SQLite manifest of a batch: one row per job.
+
+    Only the process running the batch writes it (it holds the output root's lock; dask workers return their outcomes
+    to it). Each write is one short transaction on its own connection, in exclusive locking mode and with a rollback
+    journal (``journal_mode=DELETE``): SQLite supports both on network file systems, where WAL mode, whose index lives
+    in memory shared by the processes of one host, is not. A manifest in WAL mode, written by an older regkit, is
+    converted by its first write (the rows a killed run left in its ``-wal`` file are kept). Where the file system
+    has no locks at all, SQLite cannot open it: give the manifest a path on a local disk.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
-        con = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        was_wal = self.path.is_file() and _is_wal(self.path)
         try:
-            con.execute("PRAGMA journal_mode=WAL")
+            con = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
+        except sqlite3.Error as err:
+            raise _manifest_error(self.path, err) from None
+        try:
+            con.execute("PRAGMA locking_mode=EXCLUSIVE")  # first: a WAL manifest is then read without shared memory
+            con.execute("PRAGMA journal_mode=DELETE")
             con.execute(_SCHEMA)
             con.execute("BEGIN IMMEDIATE")
             yield con
             con.execute("COMMIT")
-        except BaseException:
+        except BaseException as err:
             if con.in_transaction:
                 con.execute("ROLLBACK")
+            if isinstance(err, sqlite3.Error):
+                raise _manifest_error(self.path, err) from None
             raise
         finally:
             con.close()
+        if was_wal:  # converted: the WAL index of a killed run is of no use any more
+            self.path.with_name(self.path.name + "-shm").unlink(missing_ok=True)
 
     def rows(self) -> dict[str, dict[str, Any]]:
         """Every job's row, by name."""
@@ -527,18 +611,29 @@ class Manifest:
 
     @staticmethod
     def read_only(path: Path) -> dict[str, dict[str, Any]]:
-        """The rows of the manifest at ``path`` without writing anything (empty if there is none)."""
+        """The rows of the manifest at ``path`` (empty if there is none), also while a run writes it, writing nothing
+        beside it: read under a shared lock; or, where SQLite would first have to write (a journal left by a run killed
+        while writing, which only a writer may roll back, or a WAL manifest of an older regkit, whose readers create
+        ``-wal`` and ``-shm`` files), read from a copy in a temporary folder, where SQLite rolls back or replays it.
+
+        Raises :class:`ManifestError` naming the file if it is not a regkit manifest.
+        """
         if not path.is_file():
             return {}
-        # immutable: no lock or -shm file is created; but a run killed with kill -9 leaves committed rows in the
-        # -wal file, which only a (read-only) WAL reader sees
-        wal = path.with_name(path.name + "-wal").exists()
-        con = sqlite3.connect(path.as_uri() + ("?mode=ro" if wal else "?immutable=1"), uri=True)
         try:
-            con.row_factory = sqlite3.Row
-            return {row["name"]: dict(row) for row in con.execute("SELECT * FROM jobs")}
-        finally:
-            con.close()
+            if not _is_wal(path):
+                try:
+                    return _select_rows(f"{path.as_uri()}?mode=ro")
+                except sqlite3.OperationalError:  # a journal to roll back first
+                    pass
+            with tempfile.TemporaryDirectory() as folder:
+                for suffix in ("", "-journal", "-wal"):
+                    source = path.with_name(path.name + suffix)
+                    if source.is_file():
+                        shutil.copyfile(source, Path(folder) / source.name)
+                return _select_rows((Path(folder) / path.name).as_uri())
+        except sqlite3.Error as err:
+            raise _manifest_error(path, err) from None
 
     def start(self, jobs: list[Job], worker: str) -> None:
         """Record ``jobs`` as running from now, handed to ``worker``, with their inputs' fingerprints and
@@ -585,29 +680,41 @@ class BatchLockedError(RegkitError):
 
 @contextlib.contextmanager
 def lock_output_root(root: Path) -> Iterator[Path]:
-    """Create ``root`` and hold ``root/.batch.lock`` (``fcntl.flock``, exclusive) while the block runs.
+    """Create ``root`` and hold ``root/.batch.lock`` while the block runs; ``root/.batch.holder`` names the holder
+    (pid, host, start time).
 
-    Raises :class:`BatchLockedError` naming the lock file if another process holds it.
+    The lock is a :class:`filelock.FileLock`: ``flock`` on Linux and macOS, ``msvcrt.locking`` on Windows, released
+    by the operating system when the process ends, even killed with ``kill -9``. Where the file system has no file
+    locks (``flock`` fails with ENOSYS, e.g. Lustre mounted without ``flock``), filelock falls back to a lock file
+    created exclusively (``O_EXCL``) with the holder's pid and host, which it removes on release; a later run on the
+    same host takes over the file of a process that is gone, one left by a killed run on another host stays until it
+    is deleted.
+
+    Raises :class:`BatchLockedError` naming the lock file and its holder if another process (or another block of this
+    one) holds it.
     """
     root.mkdir(parents=True, exist_ok=True)
-    lock = root / _LOCK
-    with open(lock, "a+") as handle:
+    lock_path, holder_path = root / _LOCK, root / _HOLDER
+    lock = FileLock(str(lock_path), timeout=0)
+    try:
+        with warnings.catch_warnings():  # filelock warns of the fallback described above
+            warnings.filterwarnings("ignore", "flock not supported", UserWarning)
+            lock.acquire()
+    except Timeout:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            raise BatchLockedError(
-                f"{lock} is held by {holder}: another regkit batch run uses this output root; wait for it to end"
-            ) from None
-        handle.truncate(0)
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        handle.flush()
-        try:
-            yield lock
-        finally:
-            handle.truncate(0)
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            holder = holder_path.read_text(encoding="utf-8").strip() or "another process"
+        except FileNotFoundError:
+            holder = "another process"
+        raise BatchLockedError(
+            f"{lock_path} is held by {holder}: another regkit batch run uses this output root; wait for it to end "
+            f"(if that process is gone, delete {lock_path})"
+        ) from None
+    try:
+        _write_atomically(holder_path, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%c')}\n")
+        yield lock_path
+    finally:
+        holder_path.unlink(missing_ok=True)
+        lock.release()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -644,7 +751,7 @@ class JobOutcome:
     seconds: float = 0.0
     device: str | None = None
     previous: str | None = None  # for skipped jobs: the manifest's state (done or failed)
-    worker: str | None = None  # host:pid of the process that ran it
+    worker: str | None = None  # host:pid of the process that ran it; in dask, 'NAME on host:pid' (the worker's name)
     started: float | None = None  # when it started (seconds since the epoch)
 
 
@@ -717,16 +824,22 @@ class LocalWorker:
     """One worker process of the dask executor's LocalCluster."""
 
     name: str
-    threads: int  # CPU threads of torch in the worker (OMP_NUM_THREADS)
+    threads: int  # CPU threads of torch in the worker (OMP_NUM_THREADS, REGKIT_WORKER_THREADS)
     gpu: int | None  # the one GPU the worker sees (CUDA_VISIBLE_DEVICES); None without GPUs
 
     @property
     def env(self) -> dict[str, str]:
-        """The worker process's environment variables: ``OMP_NUM_THREADS`` and, if pinned, ``CUDA_VISIBLE_DEVICES``."""
-        env = {"OMP_NUM_THREADS": str(self.threads)}
+        """The worker process's environment variables: ``OMP_NUM_THREADS`` and :data:`WORKER_THREADS` (its torch
+        threads) and, if pinned, ``CUDA_VISIBLE_DEVICES``."""
+        env = {"OMP_NUM_THREADS": str(self.threads), WORKER_THREADS: str(self.threads)}
         if self.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
         return env
+
+    @property
+    def resources(self) -> dict[str, float]:
+        """The dask resources the worker declares: ``GPU=1`` if pinned to a GPU, none otherwise."""
+        return {} if self.gpu is None else {"GPU": 1}
 
 
 def plan_local_workers(workers: int | None, gpus: int, cpus: int) -> list[LocalWorker]:
@@ -750,6 +863,14 @@ def _cpu_count() -> int:
     return os.cpu_count() or 1
 
 
+def job_resources(job: Job) -> dict[str, float]:
+    """The dask resources the task of ``job`` asks for: ``GPU=1`` when its device is ``cuda`` or ``cuda:N``, so that
+    it runs only on a worker that declares a GPU (the local cluster's pinned workers; remote workers started with
+    ``--resources GPU=1``); none for ``cpu``, and none for ``auto``, which runs on whichever worker dask chooses: on
+    its GPU if it sees one, else on its CPU."""
+    return {"GPU": 1} if job.config.device.startswith("cuda") else {}
+
+
 def _check_pinned_devices(jobs: list[Job]) -> None:
     """Pinned workers see one GPU each, as ``cuda:0``: a job configured for ``cuda:N`` (N > 0) could not run."""
     for job in jobs:
@@ -763,21 +884,29 @@ def _check_pinned_devices(jobs: list[Job]) -> None:
 def local_workers_for(jobs: list[Job], workers: int | None) -> list[LocalWorker]:
     """The worker processes the dask executor starts for ``jobs`` when no scheduler address is given:
     :func:`plan_local_workers` with this machine's CPU cores and its GPUs (``torch.cuda.device_count``), or no GPUs if
-    every job runs on the CPU. With GPUs, a job configured for ``cuda:N`` (N > 0) raises :class:`RegkitError`: a
-    pinned worker sees its one GPU as ``cuda``."""
+    every job runs on the CPU. Raises :class:`RegkitError` for a job that cannot run on them: with GPUs, one
+    configured for ``cuda:N`` (N > 0: a pinned worker sees its one GPU as ``cuda``); without, one configured for
+    ``cuda`` (no worker would ever take it)."""
     import torch
 
     gpus = 0 if all(job.config.device == "cpu" for job in jobs) else torch.cuda.device_count()
     if gpus:
         _check_pinned_devices(jobs)
+    else:
+        for job in jobs:
+            if job_resources(job):
+                raise RegkitError(
+                    f"job {job.name}: device {job.config.device!r} with --executor dask, but this machine has no "
+                    "CUDA GPU; use device 'auto' or 'cpu', or --scheduler with GPU workers"
+                )
     return plan_local_workers(workers, gpus, _cpu_count())
 
 
 @contextlib.contextmanager
 def _local_cluster(workers: list[LocalWorker]) -> Iterator[Any]:
     """A ``dask.distributed`` cluster of one single-threaded worker process (Nanny) per :class:`LocalWorker`, each
-    with its environment, and a scheduler on 127.0.0.1 without dashboard; each worker may use ``1/n`` of the memory
-    (the nanny restarts a worker that exceeds it: its job fails)."""
+    with its environment and resources, and a scheduler on 127.0.0.1 without dashboard; each worker may use ``1/n``
+    of the memory (the nanny restarts a worker that exceeds it: its job fails)."""
     import logging
 
     from dask.distributed import Nanny, Scheduler, SpecCluster
@@ -790,6 +919,7 @@ def _local_cluster(workers: list[LocalWorker]) -> Iterator[Any]:
             "options": {
                 "nthreads": 1,
                 "env": worker.env,
+                "resources": worker.resources,
                 "host": "127.0.0.1",
                 "memory_limit": 1 / len(workers),
                 "silence_logs": quiet,
@@ -801,15 +931,161 @@ def _local_cluster(workers: list[LocalWorker]) -> Iterator[Any]:
         yield cluster
 
 
-def _execute_in_worker(job: Job) -> JobOutcome:
-    """:func:`execute_job` in a dask worker, with ``OMP_NUM_THREADS`` (the worker's environment) torch threads: set
-    again here because torch may have been imported before the LocalCluster's nanny set the variable."""
-    import torch
+# --- what RegkitWorkerPlugin does in each dask worker -----------------------------------------------------------------
 
+
+def _version_problem(worker: Any, client_version: str) -> str | None:
+    """The one-line error of a dask worker whose regkit version is not the client's, None where they are equal."""
+    from regkit import __version__
+
+    if __version__ == client_version:
+        return None
+    return (
+        f"dask worker {worker.name} ({worker.address}) runs regkit {__version__}, this client regkit "
+        f"{client_version}: install the client's version on every worker"
+    )
+
+
+def _pin_gpu(worker: Any) -> int:
+    """Pin a dask worker that declares the GPU resource and sees several GPUs (``CUDA_VISIBLE_DEVICES`` lists more
+    than one: a SLURM job with ``--gres=gpu:N`` running N worker processes) to one of them by ``CUDA_VISIBLE_DEVICES``:
+    the i-th, i being its process number, the suffix ``-i`` that ``dask worker --nworkers N`` appends to the worker
+    names. Returns the number of GPUs among which it chose (the workers that share its cores), 1 where it did not
+    pin (one GPU or none, no GPU resource, or a name without a process number)."""
+    visible = [gpu.strip() for gpu in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if gpu.strip()]
+    number = re.fullmatch(r".*-(\d+)", str(worker.name))
+    if not worker.state.total_resources.get("GPU") or len(visible) < 2 or number is None:
+        return 1
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible[int(number.group(1)) % len(visible)]
+    return len(visible)
+
+
+def worker_threads(worker: Any, sharing: int = 1) -> int:
+    """The torch threads of a dask worker's jobs: :data:`WORKER_THREADS` where set (the local cluster sets each
+    worker's share; a job script may too); else ``OMP_NUM_THREADS`` where more than 1 (e.g. exported by a job
+    script); else, where it is 1 or unset (dask's nanny sets ``OMP_NUM_THREADS=1`` in its workers unless their
+    environment sets it), the worker's share of the cores: the cores it may run on (its CPU affinity, on SLURM or PBS
+    the job's cores) divided by its dask threads (the jobs it runs at a time) and by ``sharing``, the workers of one
+    job that share them (one per GPU, :func:`_pin_gpu`).
+
+    Raises :class:`RegkitError` naming the variable and the worker if :data:`WORKER_THREADS` is not a positive integer.
+    """
+    explicit = os.environ.get(WORKER_THREADS, "").strip()
+    if explicit:
+        if not explicit.isdigit() or int(explicit) < 1:
+            raise RegkitError(f"{WORKER_THREADS}={explicit!r} on dask worker {worker.name}: give a positive integer")
+        return int(explicit)
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 1:
+        return int(omp)
+    return max(1, _cpu_count() // max(1, worker.state.nthreads) // sharing)
+
+
+def node_cache_dir(worker: Any) -> Path:
+    """The folder of a dask worker's numba and Triton caches: :data:`NODE_CACHE` where set in the worker's
+    environment; else ``regkit-cache`` in the node's dask scratch folder, beside the workers' own folders (the parent
+    of the worker's ``local_directory``: ``<local directory>/dask-scratch-space``, the local directory being
+    ``--local-directory``, dask-jobqueue's ``local_directory`` or the temporary folder, ``$TMPDIR`` or ``/tmp``),
+    shared by the workers of the node and kept after they end."""
+    configured = os.environ.get(NODE_CACHE, "").strip()
+    if configured:
+        return Path(configured).expanduser()
+    return Path(worker.local_directory).parent / "regkit-cache"
+
+
+def _configure_worker(worker: Any) -> dict[str, Any]:
+    """Make regkit's settings in a dask worker (``RegkitWorkerPlugin.setup``): the GPU pinning, the torch threads
+    (``OMP_NUM_THREADS``, which :func:`_execute_in_worker` applies), the process settings of :mod:`regkit.process`
+    (the allocator, overriding dask's ``MALLOC_TRIM_THRESHOLD_``, and the OpenMP wait policy where torch is not
+    imported yet) and the cache folders; returns what it set."""
+    from regkit import process
+
+    threads = worker_threads(worker, _pin_gpu(worker))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    return {
+        "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "threads": threads,
+        "allocator": process.tune_allocator(override_env=("MALLOC_TRIM_THRESHOLD_",)),
+        "wait_policy": process.set_wait_policy(),
+        "caches": process.configure_caches(node_cache_dir(worker)),
+    }
+
+
+@functools.cache
+def _worker_plugin_class() -> type:
+    """The class of :func:`worker_plugin`, defined on first use: its base class is dask.distributed's, optional and
+    slow to import."""
+    from distributed.diagnostics.plugin import WorkerPlugin
+
+    class RegkitWorkerPlugin(WorkerPlugin):
+        name = _PLUGIN
+
+        def __init__(self, version: str) -> None:
+            self.version = version
+            self.settings: dict[str, Any] = {}
+
+        def __reduce__(self) -> tuple[Callable[[str], Any], tuple[str]]:
+            return worker_plugin, (self.version,)  # pickled as the call that makes it: the class has no global name
+
+        def setup(self, worker: Any) -> None:
+            problem = _version_problem(worker, self.version)
+            if problem is not None:
+                raise RegkitError(problem)
+            self.settings = _configure_worker(worker)
+
+    return RegkitWorkerPlugin
+
+
+def worker_plugin(version: str) -> Any:
+    """regkit's dask WorkerPlugin (``RegkitWorkerPlugin``, needs dask.distributed) for a client of regkit ``version``:
+    the client of a batch registers it on the cluster, and its setup runs on every worker, present or joining later.
+    It raises :class:`RegkitError` on a worker whose regkit version is not ``version``; else it makes regkit's
+    settings there (:func:`_configure_worker`) and keeps what it set in its ``settings`` (a dict)."""
+    return _worker_plugin_class()(version)
+
+
+def _execute_in_worker(job: Job, client_version: str) -> JobOutcome:
+    """:func:`execute_job` in a dask worker whose regkit version is the client's (else the job fails with that line:
+    a worker that joins after the run started and fails ``RegkitWorkerPlugin``'s setup still gets jobs), with
+    ``OMP_NUM_THREADS`` torch threads (set here, in the thread that runs the job, as torch may have been imported
+    before the plugin set the variable); the outcome names the worker."""
+    import torch
+    from distributed import get_worker
+
+    worker = get_worker()
+    label = f"{worker.name} on {socket.gethostname()}:{os.getpid()}"
+    problem = _version_problem(worker, client_version)
+    if problem is not None:
+        return JobOutcome(job.name, "failed", problem, worker=label, started=time.time())
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
-    return execute_job(job)
+    return dataclasses.replace(execute_job(job), worker=label)
+
+
+def _start_workers(client: Any, jobs: list[Job]) -> None:
+    """Register ``RegkitWorkerPlugin`` with the client's regkit version on the cluster of ``client`` (its setup runs
+    on every worker), and check that GPU jobs can be placed: if the cluster has workers and none declares the GPU
+    resource, no job asking for it would ever start. Raises :class:`RegkitError` with one line on a problem."""
+    from regkit import __version__
+
+    try:
+        client.register_plugin(worker_plugin(__version__), name=_PLUGIN)
+    except RegkitError:
+        raise
+    except Exception as err:  # e.g. regkit missing on a worker, or a version without the plugin
+        raise RegkitError(
+            f"the dask workers of {client.scheduler.address} could not set up regkit ({_one_line(err)}); install "
+            f"regkit {__version__} on every worker"
+        ) from None
+    gpu_job = next((job for job in jobs if job_resources(job)), None)
+    workers = client.scheduler_info()["workers"]
+    if gpu_job is not None and workers and not any(w.get("resources", {}).get("GPU") for w in workers.values()):
+        raise RegkitError(
+            f"job {gpu_job.name}: device {gpu_job.config.device!r} needs a dask worker with a GPU, but none of the "
+            f"{len(workers)} workers at {client.scheduler.address} declares one: start GPU workers with --resources "
+            "GPU=1 (dask-jobqueue: worker_extra_args=['--resources', 'GPU=1'])"
+        )
 
 
 def _run_dask(
@@ -825,16 +1101,21 @@ def _run_dask(
         ) from None
     if not jobs:
         return
+    from regkit import __version__
+
     with contextlib.ExitStack() as stack:
         if scheduler is None:
             cluster = stack.enter_context(_local_cluster(local_workers_for(jobs, workers)))
             client = stack.enter_context(Client(cluster))
         else:
             client = stack.enter_context(Client(scheduler))
-        # only this process writes the manifest: SQLite's WAL mode needs all its writers on one host
-        book = Manifest(manifest)
+        _start_workers(client, jobs)
+        book = Manifest(manifest)  # written by this process only: the workers return their outcomes
         book.start(jobs, f"dask scheduler {client.scheduler.address}")
-        futures = {client.submit(_execute_in_worker, job, pure=False): job for job in jobs}
+        futures = {
+            client.submit(_execute_in_worker, job, __version__, pure=False, resources=job_resources(job) or None): job
+            for job in jobs
+        }
         for future in as_completed(futures):
             job = futures[future]
             try:

@@ -46,23 +46,34 @@ def batch(
         ),
     ] = None,
     scheduler: Annotated[
-        str | None, typer.Option(help="Address of a running dask scheduler (e.g. from dask-jobqueue) instead.")
+        str | None,
+        typer.Option(
+            help="Address of a running dask scheduler (e.g. from dask-jobqueue) instead; jobs with device cuda run "
+            "only on its workers that declare --resources GPU=1."
+        ),
+    ] = None,
+    manifest: Annotated[
+        Path | None,
+        typer.Option(
+            help="The manifest file (default: the spec's `manifest`, else manifest.sqlite in the output root), e.g. on "
+            "a local disk when the output root is on a network file system."
+        ),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors.")] = False,
 ) -> None:
     """Register every pair of SPEC into its own output folder, skipping jobs already done.
 
     Everything is validated (schema, configurations, every input's header) before any work. The output root holds
-    manifest.sqlite (each job's state, inputs' sizes/mtimes, config hash, error, timings), .batch.lock (a second
-    run on the same root is refused), and after every run summary.csv and report.html (sortable table, QC
-    thumbnails, metric histograms). A failing job is recorded and the others go on; the exit code is 1 if any job
-    failed (now or earlier and not retried).
+    manifest.sqlite (each job's state, inputs' sizes/mtimes, config hash, error, timings; --manifest puts it
+    elsewhere), .batch.lock (a second run on the same root is refused), and after every run summary.csv and
+    report.html (sortable table, QC thumbnails, metric histograms). A failing job is recorded and the others go on;
+    the exit code is 1 if any job failed (now or earlier and not retried).
     """
     from rich.console import Console
 
     from regkit.batch import Manifest, load_spec, local_workers_for, plan_actions, run_batch
 
-    plan = load_spec(spec)
+    plan = load_spec(spec, manifest)
     if dry_run:
         actions = plan_actions(plan, Manifest.read_only(plan.manifest), retry_failed, force)
         console = Console(width=160)

@@ -1,8 +1,13 @@
-"""``regkit batch``: dry run, exit codes, one-line errors, lock refusal, local and dask executors (2D and 3D jobs)."""
+"""``regkit batch``: dry run, exit codes, one-line errors, lock refusal, --manifest, a run killed and resumed, local
+and dask executors (2D and 3D jobs)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -12,6 +17,7 @@ from regkit.io import Image, read_image, write_image
 from regkit.spatial.grid import Grid
 from tests.apps.cli import run_cli
 from tests.core.test_batch import LIST_SPEC, TINY_CONFIG, corrupt, make_data, write_spec
+from tests.core.test_batch_cluster import isolate_worker_settings
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys, monkeypatch):
@@ -88,8 +94,10 @@ MIXED_SPEC = (
 )
 
 
-def test_local_and_dask_give_identical_outputs(tmp_path, capsys):
+def test_local_and_dask_give_identical_outputs(tmp_path, capsys, monkeypatch):
     pytest.importorskip("dask.distributed")
+    isolate_worker_settings(monkeypatch)
+    monkeypatch.delenv("REGKIT_WORKER_THREADS")  # the local cluster sets each worker's
     make_data(tmp_path)
     for name, shift in (("f", 0.0), ("g", 1.0), ("h", -1.0)):
         write_image(blob3d(shift), tmp_path / "data" / f"{name}.nii.gz")
@@ -113,11 +121,77 @@ def test_local_and_dask_give_identical_outputs(tmp_path, capsys):
             assert torch.equal(a, b), f"{job}/{name}: max difference {float((a - b).abs().max())}"
 
 
-def test_dask_scheduler_address(tmp_path, capsys):
+def test_dask_scheduler_address(tmp_path, capsys, monkeypatch):
     distributed = pytest.importorskip("dask.distributed")
+    isolate_worker_settings(monkeypatch)  # in-process workers: RegkitWorkerPlugin's settings are made here
     make_data(tmp_path)
     spec = write_spec(tmp_path, LIST_SPEC)
     with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as c:
         assert run_cli(["batch", spec, "--executor", "dask", "--scheduler", c.scheduler_address]) == 0
     assert "2 done, 0 skipped, 0 failed" in capsys.readouterr().out
     assert {row["state"] for row in Manifest(tmp_path / "out" / MANIFEST).rows().values()} == {"done"}
+
+
+def test_manifest_option_puts_the_manifest_elsewhere(tmp_path, capsys):
+    make_data(tmp_path)
+    spec = write_spec(tmp_path, LIST_SPEC)
+    local = tmp_path / "local" / "study.sqlite"
+    assert run_cli(["batch", spec, "--manifest", local]) == 0
+    assert local.is_file() and not (tmp_path / "out" / MANIFEST).exists()
+    assert {row["state"] for row in Manifest.read_only(local).values()} == {"done"}
+    capsys.readouterr()
+    assert run_cli(["batch", spec, "--manifest", local, "--dry-run"]) == 0
+    assert capsys.readouterr().out.count("skip (done)") == 2
+    assert run_cli(["batch", spec, "--manifest", tmp_path / "local"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--manifest: the manifest" in err and "is a folder" in err
+
+
+KILL_SPEC = """\
+defaults: tiny.yaml
+output: out
+jobs:
+  - {fixed: data/a.nii.gz, moving: data/b.nii.gz}
+  - {fixed: data/a.nii.gz, moving: data/c.nii.gz}
+  - {fixed: data/a.nii.gz, moving: data/d.nii.gz}
+  - {fixed: data/a.nii.gz, moving: data/e.nii.gz}
+"""
+
+
+def test_killed_run_resumes(tmp_path, capsys):
+    """``regkit batch`` killed with SIGKILL once a job is done (seen by polling the manifest read-only while it
+    runs), then rerun: the done jobs are skipped, the others complete, and no folder under a final name is partial."""
+    make_data(tmp_path, ("a", "b", "c", "d", "e"))
+    spec = write_spec(tmp_path, KILL_SPEC)
+    (tmp_path / "tiny.yaml").write_text(TINY_CONFIG.replace("iterations: 3", "iterations: 60"))  # jobs take a while
+    out, manifest = tmp_path / "out", tmp_path / "out" / MANIFEST
+    command = [sys.executable, "-m", "regkit_cli.main", "batch", str(spec), "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if any(row["state"] == "done" for row in Manifest.read_only(manifest).values()):
+                break
+            time.sleep(0.02)
+    finally:
+        proc.kill()
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == -9, stderr.decode()  # killed, not finished
+    rows = Manifest.read_only(manifest)
+    finished = {name for name, row in rows.items() if row["state"] == "done"}
+    assert finished and len(finished) < 4  # killed mid-run
+    folders = [p for p in out.iterdir() if p.is_dir()]
+    final = [p for p in folders if ".tmp-" not in p.name]
+    assert all((p / "transform.json").is_file() for p in final)  # a folder under its final name is complete
+    assert finished <= {p.name for p in final}
+    mtimes = {name: (out / name / "transform.json").stat().st_mtime_ns for name in finished}
+    (out / "e_to_a.tmp-99999").mkdir()  # as a run killed while writing leaves it
+
+    assert run_cli(["batch", spec]) == 0
+    captured = capsys.readouterr()
+    assert f"{4 - len(finished)} done, {len(finished)} skipped, 0 failed" in captured.out
+    assert all(f"{name}: skipped (done)" in captured.err for name in finished)
+    assert not list(out.glob("*.tmp-*"))
+    assert all((out / name / "transform.json").stat().st_mtime_ns == t for name, t in mtimes.items())
+    assert {row["state"] for row in Manifest(manifest).rows().values()} == {"done"}

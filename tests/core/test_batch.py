@@ -1,13 +1,15 @@
-"""``regkit.batch``: spec validation with FILE:LINE, job sources, plan, manifest, resume, failure isolation, lock."""
+"""``regkit.batch``: spec validation with FILE:LINE, job sources, plan, manifest (rollback journal, older WAL
+manifests, readers), resume, failure isolation, lock (and its fallback without flock), local dask workers."""
 
 from __future__ import annotations
 
 import base64
 import csv
+import errno
 import json
 import os
 import re
-import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -20,8 +22,10 @@ import pytest
 import torch
 
 from regkit.batch import (
+    MANIFEST,
     BatchLockedError,
     Manifest,
+    ManifestError,
     device_label,
     load_spec,
     lock_output_root,
@@ -273,48 +277,127 @@ def test_second_run_on_the_same_root_is_refused(tmp_path):
     assert not Manifest.read_only(plan.manifest)
 
 
-KILL_SPEC = """\
-defaults: tiny.yaml
-output: out
-jobs:
-  - {fixed: data/a.nii.gz, moving: data/b.nii.gz}
-  - {fixed: data/a.nii.gz, moving: data/c.nii.gz}
-  - {fixed: data/a.nii.gz, moving: data/d.nii.gz}
-  - {fixed: data/a.nii.gz, moving: data/e.nii.gz}
+# --- manifest and lock -----------------------------------------------------------------------------------------------
+
+
+def journal_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("manifest.sqlite-"))
+
+
+def is_wal(path: Path) -> bool:
+    """The file format versions of the SQLite header (bytes 18, 19): 2 in WAL mode, 1 with a rollback journal."""
+    return path.read_bytes()[18:20] == b"\x02\x02"
+
+
+def listing(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+def test_manifest_has_a_rollback_journal_and_may_live_elsewhere(tmp_path):
+    make_data(tmp_path)
+    plan = load_spec(write_spec(tmp_path, LIST_SPEC))
+    run_batch(plan)
+    assert plan.manifest == tmp_path / "out" / MANIFEST and not is_wal(plan.manifest)
+    assert journal_files(tmp_path / "out") == []  # no -wal, -shm or -journal left
+
+    spec = write_spec(tmp_path, LIST_SPEC.replace("output: out", "output: out2\nmanifest: local/study.sqlite"))
+    plan = load_spec(spec)
+    assert plan.manifest == tmp_path / "local" / "study.sqlite"
+    assert [o.state for o in run_batch(plan).outcomes] == ["done", "done"]
+    assert sorted(Manifest.read_only(plan.manifest)) == ["b_to_a", "c_to_a"]
+    assert not (tmp_path / "out2" / MANIFEST).exists() and (tmp_path / "out2" / "summary.csv").is_file()
+    assert load_spec(spec, manifest=tmp_path / "other.sqlite").manifest == tmp_path / "other.sqlite"
+    (tmp_path / "local" / "folder.sqlite").mkdir()
+    with pytest.raises(ConfigError, match=r"batch.yaml:3: manifest: the manifest .*folder.sqlite is a folder"):
+        load_spec(write_spec(tmp_path, LIST_SPEC.replace("output: out", "output: out\nmanifest: local/folder.sqlite")))
+
+
+_OLDER_RUN = """
+import os, sqlite3, sys
+con = sqlite3.connect(sys.argv[1], isolation_level=None)
+con.execute("PRAGMA journal_mode=WAL")  # as regkit wrote its manifests before
+con.execute("PRAGMA wal_autocheckpoint=0")
+con.execute("UPDATE jobs SET worker = 'older run' WHERE name = 'b_to_a'")
+os._exit(0)  # killed: the update lives in the -wal file only
 """
 
 
-def test_killed_run_resumes(tmp_path):
-    make_data(tmp_path, ("a", "b", "c", "d", "e"))
-    spec = write_spec(tmp_path, KILL_SPEC)
-    (tmp_path / "tiny.yaml").write_text(TINY_CONFIG.replace("iterations: 3", "iterations: 60"))  # jobs take a while
-    code = "from regkit.batch import *; import sys; run_batch(load_spec(sys.argv[1]))"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", code, str(spec)], env=env)
-    first = tmp_path / "out" / "b_to_a" / "transform.json"
-    deadline = time.monotonic() + 120
-    while not first.is_file() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert first.is_file()
-    plan = load_spec(spec)
-    assert Manifest.read_only(plan.manifest)["b_to_a"]["state"] in ("running", "done")  # rows left in the -wal file
-    rows = Manifest(plan.manifest).rows()
-    finished = {name for name, row in rows.items() if row["state"] == "done"}
-    assert "b_to_a" in finished or rows["b_to_a"]["state"] == "running"  # killed before or after its update
-    assert all((tmp_path / "out" / n / "transform.json").is_file() for n in finished)
-    assert not any(p.name.startswith(("c_to_a.tmp", "e_to_a")) and (p / "transform.json").exists()
-                   for p in (tmp_path / "out").iterdir())  # fmt: skip
-    assert len(finished) < 4  # killed mid-run
-    mtimes = {n: (tmp_path / "out" / n / "transform.json").stat().st_mtime_ns for n in finished}
-    (tmp_path / "out" / "e_to_a.tmp-99999").mkdir()  # as a run killed while writing leaves it
-    report = run_batch(plan)
-    assert not list((tmp_path / "out").glob("*.tmp-*"))
-    assert {o.name for o in report.outcomes if o.state == "skipped"} == finished
-    assert {o.state for o in report.outcomes} <= {"done", "skipped"} and len(report.outcomes) == 4
-    assert all((tmp_path / "out" / n / "transform.json").stat().st_mtime_ns == t for n, t in mtimes.items())
+def test_manifest_of_an_older_run_in_wal_mode_opens(tmp_path):
+    make_data(tmp_path)
+    plan = load_spec(write_spec(tmp_path, LIST_SPEC))
+    run_batch(plan)
+    subprocess.run([sys.executable, "-c", _OLDER_RUN, str(plan.manifest)], check=True, timeout=60)
+    assert is_wal(plan.manifest) and journal_files(tmp_path / "out") == ["manifest.sqlite-shm", "manifest.sqlite-wal"]
+    before = listing(tmp_path)
+    assert Manifest.read_only(plan.manifest)["b_to_a"]["worker"] == "older run"  # read from a copy
+    assert listing(tmp_path) == before  # nothing written
+    assert [o.state for o in run_batch(plan).outcomes] == ["skipped", "skipped"]  # converted by the run's writes
+    assert not is_wal(plan.manifest) and journal_files(tmp_path / "out") == []
+    assert Manifest.read_only(plan.manifest)["b_to_a"]["worker"] == "older run"
+
+
+_KILLED_WRITE = """
+import os, sqlite3, sys
+con = sqlite3.connect(sys.argv[1], isolation_level=None)
+con.execute("PRAGMA cache_size=1")  # the pages spill into the file before the commit
+con.execute("BEGIN IMMEDIATE")
+con.execute("UPDATE jobs SET state = 'failed'")
+con.executemany("INSERT INTO jobs (name, state, inputs, config_hash) VALUES (?, 'x', ?, '')",
+                [(f"x{i}", "y" * 500) for i in range(2000)])
+os._exit(0)  # killed in the middle of the transaction: a hot journal is left
+"""
+
+
+def test_read_only_reads_past_a_journal_left_by_a_killed_write(tmp_path):
+    make_data(tmp_path)
+    plan = load_spec(write_spec(tmp_path, LIST_SPEC))
+    run_batch(plan)
+    subprocess.run([sys.executable, "-c", _KILLED_WRITE, str(plan.manifest)], check=True, timeout=60)
+    assert journal_files(tmp_path / "out") == ["manifest.sqlite-journal"]
+    before = listing(tmp_path)
+    rows = Manifest.read_only(plan.manifest)
+    assert sorted(rows) == ["b_to_a", "c_to_a"] and {row["state"] for row in rows.values()} == {"done"}
+    assert listing(tmp_path) == before  # the journal is still there for the next writer to roll back
     assert {row["state"] for row in Manifest(plan.manifest).rows().values()} == {"done"}
+    assert journal_files(tmp_path / "out") == []
+
+
+def test_a_file_that_is_not_a_manifest_is_a_one_line_error(tmp_path):
+    make_data(tmp_path)
+    plan = load_spec(write_spec(tmp_path, LIST_SPEC))
+    plan.manifest.parent.mkdir()
+    plan.manifest.write_bytes(b"this is not a SQLite database, " * 10)
+    for read in (Manifest.read_only, lambda path: run_batch(plan)):
+        with pytest.raises(ManifestError) as err:
+            read(plan.manifest)
+        assert str(err.value) == f"{plan.manifest}: not a regkit manifest (file is not a database)"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="flock is a POSIX call")
+def test_lock_falls_back_to_a_lock_file_where_the_file_system_has_no_flock(tmp_path, monkeypatch):
+    import fcntl
+
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOSYS, "Function not implemented")  # e.g. Lustre mounted without flock
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    holder = f"pid {os.getpid()} on {socket.gethostname()}"
+    with lock_output_root(tmp_path) as lock:
+        assert lock.read_text().split()[:2] == [str(os.getpid()), socket.gethostname()]  # the lock file's holder
+        with pytest.raises(BatchLockedError) as err:
+            with lock_output_root(tmp_path):
+                pass
+        assert str(err.value).startswith(f"{lock} is held by {holder} since ") and "\n" not in str(err.value)
+    assert not lock.exists() and not (tmp_path / ".batch.holder").exists()  # removed on release
+
+    lock.write_text("4321\nnode-17\n")  # left by a run on another host that was killed
+    (tmp_path / ".batch.holder").write_text("pid 4321 on node-17 since Mon Jan  5 10:00:00 2026\n")
+    with pytest.raises(BatchLockedError, match=r"held by pid 4321 on node-17 .*if that process is gone, delete"):
+        with lock_output_root(tmp_path):
+            pass
+    lock.unlink()
+    with lock_output_root(tmp_path):
+        pass
 
 
 def test_dask_executor_without_dask_is_a_clear_error(tmp_path, monkeypatch):
@@ -367,12 +450,14 @@ def test_unknown_extension_and_bad_csv_are_located(tmp_path):
 def test_plan_local_workers_pins_one_worker_per_gpu():
     plan = plan_local_workers(None, gpus=2, cpus=16)
     assert [(w.gpu, w.threads) for w in plan] == [(0, 8), (1, 8)]
-    assert plan[1].env == {"OMP_NUM_THREADS": "8", "CUDA_VISIBLE_DEVICES": "1"}
+    assert plan[1].env == {"OMP_NUM_THREADS": "8", "REGKIT_WORKER_THREADS": "8", "CUDA_VISIBLE_DEVICES": "1"}
+    assert plan[1].resources == {"GPU": 1}
     assert [w.gpu for w in plan_local_workers(5, gpus=2, cpus=16)] == [0, 1, 0, 1, 0]  # sharing, round-robin
     assert [w.gpu for w in plan_local_workers(1, gpus=4, cpus=16)] == [0]
     assert len({w.name for w in plan_local_workers(5, gpus=2, cpus=16)}) == 5
     cpu = plan_local_workers(None, gpus=0, cpus=2)
-    assert [(w.gpu, w.threads) for w in cpu] == [(None, 1), (None, 1)] and cpu[0].env == {"OMP_NUM_THREADS": "1"}
+    assert [(w.gpu, w.threads) for w in cpu] == [(None, 1), (None, 1)]
+    assert cpu[0].env == {"OMP_NUM_THREADS": "1", "REGKIT_WORKER_THREADS": "1"} and cpu[0].resources == {}
     assert [w.threads for w in plan_local_workers(3, gpus=0, cpus=2)] == [1, 1, 1]
     with pytest.raises(ValueError, match="at least 1"):
         plan_local_workers(0, gpus=0, cpus=2)
@@ -387,7 +472,9 @@ def test_local_cluster_workers_get_their_gpu_and_threads():
 
     with _local_cluster(plan_local_workers(None, gpus=2, cpus=6)) as cluster, distributed.Client(cluster) as client:
         seen = client.run(environment)
+        resources = [w["resources"] for w in client.scheduler_info()["workers"].values()]
     assert sorted(seen.values()) == [("0", "3"), ("1", "3")]
+    assert resources == [{"GPU": 1}, {"GPU": 1}]
 
 
 def test_dask_executor_with_gpus_pins_and_checks_devices(tmp_path, monkeypatch):

@@ -1,0 +1,222 @@
+"""``regkit.batch`` on dask clusters: RegkitWorkerPlugin (version check, GPU pinning, threads, process settings and
+node-local caches), GPU jobs only on workers that declare the GPU resource, and a batch through dask-jobqueue's own
+local job cluster (the job-script machinery of SLURMCluster without SLURM)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import regkit
+from regkit import batch
+from regkit.batch import (
+    MANIFEST,
+    NODE_CACHE,
+    WORKER_THREADS,
+    Manifest,
+    job_resources,
+    load_spec,
+    local_workers_for,
+    node_cache_dir,
+    run_batch,
+    worker_threads,
+)
+from regkit.errors import RegkitError
+from regkit.process import cache_root
+from tests.core.test_batch import LIST_SPEC, TINY_CONFIG, make_data, write_spec
+
+_SETTINGS = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "NUMBA_CACHE_DIR", "TRITON_CACHE_DIR", WORKER_THREADS)
+
+
+def isolate_worker_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let RegkitWorkerPlugin make its settings in this process (in-process dask workers) or in worker processes
+    started from it, and undo them after the test: the variables it sets are restored, one torch thread, and the
+    compile caches stay in regkit's own cache folder (warm: a cold numba cache costs each new worker its kernels'
+    compilation)."""
+    for name in _SETTINGS:
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # recorded: restored (or removed) after the test
+        if not os.environ[name]:
+            monkeypatch.delenv(name)
+    monkeypatch.setenv(WORKER_THREADS, "1")
+    monkeypatch.setenv(NODE_CACHE, str(cache_root()))
+    numba = sys.modules.get("numba")
+    if numba is not None:
+        monkeypatch.setattr(numba.config, "CACHE_DIR", numba.config.CACHE_DIR)
+
+
+def fake_worker(name: str, tmp_path: Path, gpu: bool, nthreads: int = 1) -> SimpleNamespace:
+    """What RegkitWorkerPlugin.setup reads of a dask worker."""
+    resources = {"GPU": 1.0} if gpu else {}
+    state = SimpleNamespace(total_resources=resources, nthreads=nthreads)
+    local = tmp_path / "dask-scratch-space" / f"worker-{name}"
+    return SimpleNamespace(name=name, address="tcp://10.0.0.9:4000", state=state, local_directory=str(local))
+
+
+def test_job_resources_ask_for_a_gpu_only_for_cuda(tmp_path, monkeypatch):
+    make_data(tmp_path)
+    jobs = {}
+    for device in ("cpu", "auto", "cuda", "cuda:0"):
+        (tmp_path / "tiny.yaml").write_text(TINY_CONFIG.replace("device: cpu", f"device: {device}"))
+        jobs[device] = load_spec(write_spec(tmp_path, LIST_SPEC)).jobs
+    assert {device: job_resources(js[0]) for device, js in jobs.items()} == {
+        "cpu": {},
+        "auto": {},  # the GPU of the worker that runs it if it has one: no requirement
+        "cuda": {"GPU": 1},
+        "cuda:0": {"GPU": 1},
+    }
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert [w.resources for w in local_workers_for(jobs["auto"], 2)] == [{}, {}]  # no GPU: CPU workers
+    with pytest.raises(RegkitError, match=r"job b_to_a: device 'cuda' with --executor dask, but this machine has no"):
+        local_workers_for(jobs["cuda"], None)  # no worker would ever take it
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [w.resources for w in local_workers_for(jobs["cuda"], 3)] == [{"GPU": 1}] * 3
+
+
+def test_worker_threads_and_node_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(batch, "_cpu_count", lambda: 16)
+    for name in (WORKER_THREADS, "OMP_NUM_THREADS", NODE_CACHE):
+        monkeypatch.delenv(name, raising=False)
+    worker = fake_worker("w", tmp_path, gpu=False, nthreads=2)
+    assert worker_threads(worker) == 8  # unset: the affinity's cores over the tasks at a time
+    assert worker_threads(worker, sharing=4) == 2  # four workers of one job share them
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what dask's nanny sets: not a choice of the user
+    assert worker_threads(worker) == 8
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # e.g. exported by the job script
+    assert worker_threads(worker) == 3
+    monkeypatch.setenv(WORKER_THREADS, "1")
+    assert worker_threads(worker) == 1
+    monkeypatch.setenv(WORKER_THREADS, "many")
+    with pytest.raises(RegkitError, match=r"REGKIT_WORKER_THREADS='many' on dask worker w: give a positive integer"):
+        worker_threads(worker)
+    assert node_cache_dir(worker) == tmp_path / "dask-scratch-space" / "regkit-cache"  # beside the workers' folders
+    monkeypatch.setenv(NODE_CACHE, str(tmp_path / "node"))
+    assert node_cache_dir(worker) == tmp_path / "node"
+
+
+def test_worker_plugin_setup_pins_a_gpu_and_makes_the_settings(tmp_path, monkeypatch):
+    pytest.importorskip("dask.distributed")
+    isolate_worker_settings(monkeypatch)
+    monkeypatch.delenv(WORKER_THREADS)
+    monkeypatch.setenv(NODE_CACHE, str(tmp_path / "node"))
+    monkeypatch.setattr(batch, "_cpu_count", lambda: 16)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")  # a SLURM job with --gres=gpu:2 running 2 worker processes
+    plugin = batch.worker_plugin(regkit.__version__)
+    plugin.setup(fake_worker("SLURMCluster-3-1", tmp_path, gpu=True))  # process 1 of `dask worker --nworkers 2`
+    assert plugin.settings["gpu"] == os.environ["CUDA_VISIBLE_DEVICES"] == "5"
+    assert plugin.settings["threads"] == 8 and os.environ["OMP_NUM_THREADS"] == "8"  # half the job's cores
+    caches = {
+        "NUMBA_CACHE_DIR": str(tmp_path / "node" / "numba"),
+        "TRITON_CACHE_DIR": str(tmp_path / "node" / "triton"),
+    }
+    assert plugin.settings["caches"] == caches
+    assert {k: os.environ[k] for k in caches} == caches
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")  # another worker process, as its nanny started it
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    plugin.setup(fake_worker("cpu-worker-1", tmp_path, gpu=False))  # no GPU resource: not pinned, all the cores
+    assert plugin.settings["gpu"] == "4,5" and plugin.settings["threads"] == 16
+    with pytest.raises(RegkitError) as err:
+        batch.worker_plugin("0.0.1").setup(fake_worker("w", tmp_path, gpu=False))
+    expected = f"dask worker w (tcp://10.0.0.9:4000) runs regkit {regkit.__version__}, this client regkit 0.0.1"
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_version_mismatch_stops_the_run(tmp_path, monkeypatch):
+    distributed = pytest.importorskip("dask.distributed")
+    isolate_worker_settings(monkeypatch)
+    make_data(tmp_path)
+    plan = load_spec(write_spec(tmp_path, LIST_SPEC))
+    installed = regkit.__version__
+    with distributed.LocalCluster(
+        n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None, host="127.0.0.1"
+    ) as cluster:
+        monkeypatch.setattr(regkit, "__version__", "9.9.9")  # the client's; the worker process has the installed one
+        with pytest.raises(RegkitError) as err:
+            run_batch(plan, executor="dask", scheduler=cluster.scheduler_address)
+    message = str(err.value)
+    assert "\n" not in message and f"runs regkit {installed}, this client regkit 9.9.9" in message
+    assert {row["state"] for row in Manifest(plan.manifest).rows().values()} == {"pending"}  # nothing ran
+
+
+def test_gpu_jobs_run_only_on_workers_with_the_gpu_resource(tmp_path, monkeypatch):
+    """A cluster of one worker declaring ``GPU=1`` and one without: jobs that ask for the GPU resource run on the
+    first only. There is no GPU here, so the jobs are configured for the CPU and :func:`job_resources` is made to ask
+    for the GPU, as it does for device ``cuda``."""
+    distributed = pytest.importorskip("dask.distributed")
+    isolate_worker_settings(monkeypatch)
+    make_data(tmp_path, ("a", "b", "c", "d", "e"))
+    body = (
+        LIST_SPEC
+        + "  - {fixed: data/a.nii.gz, moving: data/d.nii.gz}\n  - {fixed: data/a.nii.gz, moving: data/e.nii.gz}\n"
+    )
+    plan = load_spec(write_spec(tmp_path, body))
+    monkeypatch.setattr(batch, "job_resources", lambda job: {"GPU": 1})
+
+    def worker(resources: dict[str, float]) -> dict:
+        return {"cls": distributed.Worker, "options": {"nthreads": 1, "resources": resources}}
+
+    scheduler = {"cls": distributed.Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": None}}
+    workers = {"gpu": worker({"GPU": 1}), "cpu": worker({})}
+    with distributed.SpecCluster(scheduler=scheduler, workers=workers) as cluster:
+        report = run_batch(plan, executor="dask", scheduler=cluster.scheduler_address)
+    assert [o.state for o in report.outcomes] == ["done"] * 4
+    rows = Manifest(plan.manifest).rows()
+    assert all(row["worker"].startswith("gpu on ") for row in rows.values()), [r["worker"] for r in rows.values()]
+
+    with distributed.SpecCluster(scheduler=scheduler, workers={"cpu": worker({})}) as cluster:
+        with pytest.raises(RegkitError, match=r"none of the 1 workers at .* declares one: start GPU workers with"):
+            run_batch(plan, executor="dask", scheduler=cluster.scheduler_address, force=True)
+
+
+def test_batch_on_a_dask_jobqueue_cluster(tmp_path, monkeypatch, capsys):
+    """dask-jobqueue's LocalCluster writes and runs the job script SLURMCluster would submit: one job of two worker
+    processes (``processes=2``) that declare ``GPU=1`` and see two GPUs (``CUDA_VISIBLE_DEVICES=0,1``, as SLURM sets
+    it for ``--gres=gpu:2``). RegkitWorkerPlugin pins each to one GPU, gives each half the job's cores, points the
+    caches at ``REGKIT_NODE_CACHE`` and overrides dask's ``MALLOC_TRIM_THRESHOLD_``."""
+    pytest.importorskip("dask.distributed")
+    jobqueue = pytest.importorskip("dask_jobqueue.local")
+    from distributed import Client
+
+    from tests.apps.cli import run_cli
+
+    isolate_worker_settings(monkeypatch)
+    monkeypatch.delenv(WORKER_THREADS)  # as in a job script: dask's nanny sets OMP_NUM_THREADS=1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    make_data(tmp_path)
+    spec = write_spec(tmp_path, LIST_SPEC)
+    options = {"host": "127.0.0.1", "dashboard_address": None}
+    with jobqueue.LocalCluster(
+        cores=2,
+        processes=2,
+        memory="6GB",  # a ceiling per job (3 GB per worker), room for a worker that compiles kernels
+        worker_extra_args=["--resources", "GPU=1"],
+        scheduler_options=options,
+        silence_logs="error",
+    ) as cluster:
+        cluster.scale(jobs=1)
+        with Client(cluster) as client:
+            client.wait_for_workers(2, timeout=60)
+            assert run_cli(["batch", spec, "--executor", "dask", "--scheduler", cluster.scheduler_address]) == 0
+
+            def plugin_settings(dask_worker) -> dict:
+                return dask_worker.plugins["regkit"].settings
+
+            settings = list(client.run(plugin_settings).values())
+            resources = [w["resources"] for w in client.scheduler_info()["workers"].values()]
+    assert "2 done, 0 skipped, 0 failed" in capsys.readouterr().out
+    assert resources == [{"GPU": 1}, {"GPU": 1}]
+    assert sorted(s["gpu"] for s in settings) == ["0", "1"]  # one GPU each
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    assert [s["threads"] for s in settings] == [max(1, cores // 2)] * 2
+    assert all(s["caches"]["NUMBA_CACHE_DIR"] == str(cache_root() / "numba") for s in settings)
+    if sys.platform.startswith("linux"):  # glibc's allocator: dask's MALLOC_TRIM_THRESHOLD_ overridden
+        assert all("MALLOC_TRIM_THRESHOLD_" in s["allocator"] for s in settings)
+    rows = Manifest(tmp_path / "out" / MANIFEST).rows()
+    assert {row["state"] for row in rows.values()} == {"done"}
+    assert all(row["worker"].startswith("LocalCluster-0-") for row in rows.values())
