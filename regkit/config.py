@@ -96,7 +96,7 @@ IntOrInts = Annotated[
 """An int >= 1, or a list of ints >= 1."""
 
 
-def _invalid(message: str, key: KeyPath = ()) -> PydanticCustomError:
+def invalid(message: str, key: KeyPath = ()) -> PydanticCustomError:
     """A validation error whose location is the validated object's location followed by ``key``."""
     return PydanticCustomError("regkit_config", "{message}", {"message": message, "key": key})
 
@@ -106,7 +106,7 @@ def _did_you_mean(word: str, choices: Iterable[str]) -> str:
     return f"; did you mean {match[0]!r}?" if match else ""
 
 
-class _Model(BaseModel):
+class Model(BaseModel):
     """Base of every configuration model: frozen, strict, unknown keys rejected with a suggestion."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True, allow_inf_nan=False)
@@ -117,7 +117,7 @@ class _Model(BaseModel):
         if isinstance(data, dict):
             for key in data:
                 if key not in cls.model_fields:
-                    raise _invalid(f"unknown key {key!r}{_did_you_mean(str(key), cls.model_fields)}", (key,))
+                    raise invalid(f"unknown key {key!r}{_did_you_mean(str(key), cls.model_fields)}", (key,))
         return data
 
 
@@ -128,26 +128,26 @@ class _Model(BaseModel):
 
 def _odd(window: int) -> int:
     if window % 2 == 0:
-        raise _invalid(f"must be odd (got {window})")
+        raise invalid(f"must be odd (got {window})")
     return window
 
 
 _OddWindow = Annotated[int, AfterValidator(_odd)]  # a window side in voxels: odd
 
 
-class MseSimilarity(_Model):
+class MseSimilarity(Model):
     """Mean squared intensity difference; for images of one modality with matching intensity scales."""
 
     name: Literal["mse"] = Field(default="mse", description="Similarity measure: mean squared error.")
 
 
-class NccSimilarity(_Model):
+class NccSimilarity(Model):
     """Global normalized cross-correlation; for one modality with intensities related linearly."""
 
     name: Literal["ncc"] = Field(default="ncc", description="Similarity measure: normalized cross-correlation.")
 
 
-class LnccSimilarity(_Model):
+class LnccSimilarity(Model):
     """Local normalized cross-correlation over a sliding cubic (square in 2D) window; robust to intensity bias."""
 
     name: Literal["lncc"] = Field(default="lncc", description="Similarity measure: local normalized cross-correlation.")
@@ -156,7 +156,7 @@ class LnccSimilarity(_Model):
     )
 
 
-class MiSimilarity(_Model):
+class MiSimilarity(Model):
     """Mutual information from a cubic B-spline Parzen-window joint histogram; for images of different modalities."""
 
     name: Literal["mi"] = Field(default="mi", description="Similarity measure: mutual information.")
@@ -171,11 +171,11 @@ class MiSimilarity(_Model):
     @classmethod
     def _percentiles(cls, percentiles: tuple[float, ...]) -> tuple[float, ...]:
         if len(percentiles) != 2 or not 0 <= percentiles[0] < percentiles[1] <= 100:
-            raise _invalid(f"must be two percentiles with 0 <= low < high <= 100 (got {list(percentiles)})")
+            raise invalid(f"must be two percentiles with 0 <= low < high <= 100 (got {list(percentiles)})")
         return percentiles
 
 
-class FeaturesSimilarity(_Model):
+class FeaturesSimilarity(Model):
     """Distance between deep features (the WTConv feature network) of the fixed and the warped moving image."""
 
     name: Literal["features"] = Field(default="features", description="Similarity measure: feature distance.")
@@ -210,7 +210,7 @@ class FeaturesSimilarity(_Model):
     @classmethod
     def _exists(cls, weights: Path | None) -> Path | None:
         if weights is not None and not weights.is_file():
-            raise _invalid(f"no such file: {weights}")
+            raise invalid(f"no such file: {weights}")
         return weights
 
 
@@ -220,7 +220,7 @@ Similarity = Annotated[
 ]
 """Any similarity measure, chosen by its ``name``. To add one: write its model above and add it to this union."""
 
-SIMILARITIES: dict[str, type[_Model]] = {
+SIMILARITIES: dict[str, type[Model]] = {
     cls.model_fields["name"].default: cls for cls in get_args(get_args(Similarity)[0])
 }
 """Similarity measure name -> options model."""
@@ -230,7 +230,7 @@ SIMILARITIES: dict[str, type[_Model]] = {
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-class PyramidLevel(_Model):
+class PyramidLevel(Model):
     """One level of the multi-resolution pyramid: the images are smoothed, then shrunk by an integer factor."""
 
     shrink: int = Field(ge=1, description="Integer factor by which each image axis is shrunk (1: full resolution).")
@@ -248,7 +248,7 @@ _DEFAULT_PYRAMID = (
 )
 
 
-class OptimizerConfig(_Model):
+class OptimizerConfig(Model):
     """The gradient-based optimizer run at each pyramid level, with early stopping on a stalled loss."""
 
     name: Literal["adam", "lbfgs"] = Field(default="adam", description="Optimizer: adam or lbfgs.")
@@ -272,14 +272,14 @@ class OptimizerConfig(_Model):
     patience: int = Field(default=10, ge=1, description="Consecutive iterations below `tolerance` that stop a level.")
 
 
-class MaskConfig(_Model):
+class MaskConfig(Model):
     """Which masks, when given to the registration, restrict the similarity to the voxels inside them."""
 
     fixed: bool = Field(default=True, description="Use the fixed image's mask.")
     moving: bool = Field(default=True, description="Use the moving image's mask (warped along with the moving image).")
 
 
-class MomentsStage(_Model):
+class MomentsStage(Model):
     """Initialisation from image moments: matches centres of mass, and optionally the principal axes."""
 
     type: Literal["moments"] = Field(default="moments", description="Stage type: moment-based initialisation.")
@@ -290,7 +290,7 @@ class MomentsStage(_Model):
     )
 
 
-class _OptimizedStage(_Model):
+class _OptimizedStage(Model):
     """Fields shared by the stages that optimize a similarity over a pyramid."""
 
     type: Literal["rigid", "affine", "cpab"] = Field(description="Stage type (narrowed by each stage).")
@@ -306,10 +306,10 @@ class _OptimizedStage(_Model):
     @classmethod
     def _coarse_to_fine(cls, pyramid: tuple[PyramidLevel, ...]) -> tuple[PyramidLevel, ...]:
         if not pyramid:
-            raise _invalid("needs at least one level")
+            raise invalid("needs at least one level")
         for i in range(1, len(pyramid)):
             if pyramid[i].shrink > pyramid[i - 1].shrink:
-                raise _invalid(
+                raise invalid(
                     f"shrink factors must not increase from coarse to fine (got {pyramid[i].shrink} after "
                     f"{pyramid[i - 1].shrink})",
                     (i, "shrink"),
@@ -320,7 +320,7 @@ class _OptimizedStage(_Model):
     def _iterations_per_level(self) -> _OptimizedStage:
         iterations = self.optimizer.iterations
         if isinstance(iterations, tuple) and len(iterations) != len(self.pyramid):
-            raise _invalid(
+            raise invalid(
                 f"{len(iterations)} entries for {len(self.pyramid)} pyramid levels (give one per level, or one int)",
                 ("optimizer", "iterations"),
             )
@@ -344,7 +344,7 @@ class AffineStage(_OptimizedStage):
     type: Literal["affine"] = Field(default="affine", description="Stage type: affine.")
 
 
-class CpabPrior(_Model):
+class CpabPrior(Model):
     """Gaussian prior on the CPAB parameters: squared-exponential covariance between the cells' affine maps."""
 
     length_scale: float = Field(
@@ -388,12 +388,10 @@ class CpabStage(_OptimizedStage):
     @model_validator(mode="after")
     def _schedule(self) -> CpabStage:
         if len(self.tessellation) != len(self.pyramid):
-            raise _invalid(
-                f"{len(self.tessellation)} levels but the pyramid has {len(self.pyramid)}", ("tessellation",)
-            )
+            raise invalid(f"{len(self.tessellation)} levels but the pyramid has {len(self.pyramid)}", ("tessellation",))
         axes = {len(cells) for cells in self.tessellation if isinstance(cells, tuple)}
         if axes - {2, 3} or len(axes) > 1:
-            raise _invalid(
+            raise invalid(
                 f"per-axis cell counts need 2 or 3 entries, the same at every level (got {sorted(axes)})",
                 ("tessellation",),
             )
@@ -401,7 +399,7 @@ class CpabStage(_OptimizedStage):
         for i in range(1, len(self.tessellation)):
             before, after = self._cells(i - 1, dim), self._cells(i, dim)
             if any(a < b for a, b in zip(after, before, strict=True)):
-                raise _invalid(
+                raise invalid(
                     f"cell counts must not decrease from coarse to fine (got {list(after)} after {list(before)})",
                     ("tessellation", i),
                 )
@@ -425,7 +423,7 @@ class CpabStage(_OptimizedStage):
 Stage = Annotated[MomentsStage | RigidStage | AffineStage | CpabStage, Field(discriminator="type")]
 """Any stage, chosen by its ``type``. To add one: write its model above and add it to this union."""
 
-STAGES: dict[str, type[_Model]] = {cls.model_fields["type"].default: cls for cls in get_args(get_args(Stage)[0])}
+STAGES: dict[str, type[Model]] = {cls.model_fields["type"].default: cls for cls in get_args(get_args(Stage)[0])}
 """Stage type -> model."""
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -433,7 +431,7 @@ STAGES: dict[str, type[_Model]] = {cls.model_fields["type"].default: cls for cls
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-class OutputsConfig(_Model):
+class OutputsConfig(Model):
     """Which optional outputs a registration writes (their file names are fixed, not configurable)."""
 
     warped: bool = Field(default=True, description="The moving image warped onto the fixed grid.")
@@ -449,7 +447,7 @@ class OutputsConfig(_Model):
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
-class RegistrationConfig(_Model):
+class RegistrationConfig(Model):
     """A complete registration: global settings, the stages run in order, and the outputs to write."""
 
     dim: Literal[2, 3] | None = Field(default=None, description="Image dimension, 2 or 3; null: taken from the images.")
@@ -476,25 +474,25 @@ class RegistrationConfig(_Model):
     @classmethod
     def _device(cls, device: str) -> str:
         if not _DEVICE.fullmatch(device):
-            raise _invalid(f"must be 'auto', 'cpu', 'cuda' or 'cuda:N' (got {device!r})")
+            raise invalid(f"must be 'auto', 'cpu', 'cuda' or 'cuda:N' (got {device!r})")
         return device
 
     @field_validator("stages")
     @classmethod
     def _not_empty(cls, stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
         if not stages:
-            raise _invalid("needs at least one stage")
+            raise invalid("needs at least one stage")
         return stages
 
     @model_validator(mode="after")
     def _consistent(self) -> RegistrationConfig:
         for i, stage in enumerate(self.stages):
             if isinstance(stage, MomentsStage) and i > 0:
-                raise _invalid("a moments stage initialises, so it can only be the first stage", ("stages", i, "type"))
+                raise invalid("a moments stage initialises, so it can only be the first stage", ("stages", i, "type"))
             if isinstance(stage, CpabStage) and self.dim is not None:
                 for level, cells in enumerate(stage.tessellation):
                     if isinstance(cells, tuple) and len(cells) != self.dim:
-                        raise _invalid(
+                        raise invalid(
                             f"{len(cells)} per-axis cell counts but dim is {self.dim}",
                             ("stages", i, "tessellation", level),
                         )
@@ -541,14 +539,14 @@ Origin = tuple[str, int | None]
 
 
 @dataclass(frozen=True)
-class _Layer:
+class Layer:
     """Raw configuration data and, for every key path in it, where it was set."""
 
     data: dict[str, Any]
     origins: dict[KeyPath, Origin]
 
 
-def _parse(text: str, label: str) -> _Layer:
+def parse(text: str, label: str) -> Layer:
     """Parse one YAML document into a mapping, recording the line of every key and list item."""
     try:
         loader = _Loader(text)
@@ -560,7 +558,7 @@ def _parse(text: str, label: str) -> _Layer:
                 kind = "list" if isinstance(node, yaml.SequenceNode) else "single value"
                 raise ConfigError(f"{label}:{node.start_mark.line + 1}: expected a mapping of keys, got a {kind}")
             origins: dict[KeyPath, Origin] = {(): (label, node.start_mark.line + 1)}
-            return _Layer(_construct(loader, node, (), label, origins), origins)
+            return Layer(_construct(loader, node, (), label, origins), origins)
         finally:
             loader.dispose()
     except yaml.MarkedYAMLError as err:
@@ -583,10 +581,10 @@ def _construct(loader: _Loader, node: yaml.Node, path: KeyPath, label: str, orig
             line = key_node.start_mark.line + 1
             if not isinstance(key, str):
                 raise ConfigError(
-                    f"{label}:{line}: {_format_path(path) or 'top level'}: keys must be strings (got {key!r})"
+                    f"{label}:{line}: {format_path(path) or 'top level'}: keys must be strings (got {key!r})"
                 )
             if key in seen:
-                where = f"{_format_path((*path, key))}: duplicate key"
+                where = f"{format_path((*path, key))}: duplicate key"
                 raise ConfigError(f"{label}:{line}: {where} (first set on line {seen[key]})")
             seen[key] = line
         loader.flatten_mapping(node)
@@ -605,7 +603,7 @@ def _construct(loader: _Loader, node: yaml.Node, path: KeyPath, label: str, orig
     return loader.construct_object(node, deep=True)  # scalars, and collections with explicit tags (!!set, ...)
 
 
-def _from_python(data: Mapping[str, Any], label: str) -> _Layer:
+def _from_python(data: Mapping[str, Any], label: str) -> Layer:
     """A layer from a Python mapping (overrides), every key attributed to ``label`` without a line."""
     origins: dict[KeyPath, Origin] = {}
 
@@ -619,44 +617,44 @@ def _from_python(data: Mapping[str, Any], label: str) -> _Layer:
                 walk(item, (*path, i))
 
     walk(data, ())
-    return _Layer(dict(data), origins)
+    return Layer(dict(data), origins)
 
 
-def _merge(base: _Layer, over: _Layer) -> _Layer:
+def merge(base: Layer, over: Layer) -> Layer:
     """``over`` on top of ``base``: mappings merge key by key, anything else in ``over`` replaces."""
     origins: dict[KeyPath, Origin] = {}
 
-    def subtree(layer: _Layer, path: KeyPath) -> None:
+    def subtree(layer: Layer, path: KeyPath) -> None:
         origins.update({p: o for p, o in layer.origins.items() if p[: len(path)] == path})
 
-    def merge(a: Any, b: Any, path: KeyPath) -> Any:
+    def combine(a: Any, b: Any, path: KeyPath) -> Any:
         if not (isinstance(a, Mapping) and isinstance(b, Mapping)):
             subtree(over, path)
             return b
         origins[path] = over.origins[path]
         merged = dict(a)
         for key, value in b.items():
-            merged[key] = merge(a[key], value, (*path, key)) if key in a else value
+            merged[key] = combine(a[key], value, (*path, key)) if key in a else value
             if key not in a:
                 subtree(over, (*path, key))
         for key in a.keys() - b.keys():
             subtree(base, (*path, key))
         return merged
 
-    return _Layer(merge(base.data, over.data, ()), origins)
+    return Layer(combine(base.data, over.data, ()), origins)
 
 
-def _resolve_paths(value: Any, folder: Path) -> Any:
+def resolve_paths(value: Any, folder: Path) -> Any:
     """A copy of ``value`` with relative file paths (under the keys in ``_PATH_KEYS``) joined to ``folder``."""
     if isinstance(value, Mapping):
         return {
             key: str(folder / Path(item).expanduser())
             if key in _PATH_KEYS and isinstance(item, str)
-            else _resolve_paths(item, folder)
+            else resolve_paths(item, folder)
             for key, item in value.items()
         }
     if isinstance(value, list | tuple):
-        return [_resolve_paths(item, folder) for item in value]
+        return [resolve_paths(item, folder) for item in value]
     return value
 
 
@@ -690,7 +688,7 @@ class _Source:
     folder: Path
 
 
-def _open(ref: str | Path, folder: Path, where: str) -> _Source:
+def open_config(ref: str | Path, folder: Path, where: str) -> _Source:
     """Find and read a configuration: a preset name, or a YAML path relative to ``folder``.
 
     ``where`` prefixes error messages (the ``FILE:LINE: base:`` that named ``ref``, or nothing).
@@ -719,23 +717,23 @@ def _open(ref: str | Path, folder: Path, where: str) -> _Source:
     return _Source(label, path.resolve(), text, path.parent.absolute())
 
 
-def _read_layers(source: _Source, chain: tuple[Path, ...]) -> _Layer:
+def read_layers(source: _Source, chain: tuple[Path, ...]) -> Layer:
     """The layer of ``source`` merged on top of the layers of its ``base`` chain (``chain``: the files below it)."""
-    layer = _parse(source.text, source.label)
-    data = _resolve_paths(layer.data, source.folder)
+    layer = parse(source.text, source.label)
+    data = resolve_paths(layer.data, source.folder)
     if "base" not in data:
-        return _Layer(data, layer.origins)
+        return Layer(data, layer.origins)
     ref = data.pop("base")
     label, line = layer.origins[("base",)]
     where = f"{label}:{line}: base: "
     if not isinstance(ref, str):
         raise ConfigError(f"{where}expected a preset name or a file path, got {_show(ref)}")
-    base = _open(ref, source.folder, where)
+    base = open_config(ref, source.folder, where)
     chain = (*chain, source.path)
     if base.path in chain:
         raise ConfigError(f"{where}circular base {ref!r}")
     origins = {path: origin for path, origin in layer.origins.items() if path[:1] != ("base",)}
-    return _merge(_read_layers(base, chain), _Layer(data, origins))
+    return merge(read_layers(base, chain), Layer(data, origins))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -751,13 +749,13 @@ def load_config(source: str | Path, overrides: Mapping[str, Any] | None = None) 
     deeply, lists and scalars replace), with relative paths resolved against the current directory. Raises
     :class:`~regkit.errors.ConfigError` with one line ``FILE:LINE: key.path: message`` on any problem.
     """
-    layer = _read_layers(_open(source, Path(), ""), ())
+    layer = read_layers(open_config(source, Path(), ""), ())
     if overrides:
-        layer = _merge(layer, _from_python(_resolve_paths(overrides, Path.cwd()), "overrides"))
+        layer = merge(layer, _from_python(resolve_paths(overrides, Path.cwd()), "overrides"))
     try:
         return RegistrationConfig.model_validate(layer.data)
     except ValidationError as err:
-        raise ConfigError(_first_error(err, layer)) from None
+        raise ConfigError(first_error(err, layer)) from None
 
 
 class _Dumper(yaml.SafeDumper):
@@ -823,7 +821,7 @@ def _show(value: Any) -> str:
     return f"{kind} {value!r}"
 
 
-def _format_path(path: KeyPath) -> str:
+def format_path(path: KeyPath) -> str:
     """``('stages', 2, 'optimizer')`` -> ``stages[2].optimizer``."""
     text = ""
     for part in path:
@@ -875,7 +873,7 @@ def _message(err: Any) -> tuple[KeyPath, str]:
     return (), err["msg"]
 
 
-def _first_error(err: ValidationError, layer: _Layer) -> str:
+def first_error(err: ValidationError, layer: Layer) -> str:
     """The first validation error, by file position, as ``FILE:LINE: key.path: message (and N more)``."""
     located = []
     for e in err.errors(include_url=False):
@@ -886,4 +884,4 @@ def _first_error(err: ValidationError, layer: _Layer) -> str:
     located.sort(key=lambda item: item[:2])
     _, _, where, path, message = located[0]
     more = f" (and {len(located) - 1} more)" if len(located) > 1 else ""
-    return f"{where}: {_format_path(path) or 'top level'}: {message}{more}"
+    return f"{where}: {format_path(path) or 'top level'}: {message}{more}"

@@ -187,7 +187,7 @@ def read_image(path: str | os.PathLike, *, ndim: int | None = None, check_finite
         )
         array = sitk.GetArrayFromImage(itk_image)
     else:
-        fmt = _format_of(path, ImageReadError)
+        fmt = format_of(path, ImageReadError)
         if not path.exists():
             raise ImageReadError(f"{path}: no such file")
         reader = sitk.ImageFileReader()
@@ -246,7 +246,7 @@ def read_image_nibabel(path: str | os.PathLike) -> Image:
     NaN/Inf voxels are kept (no check).
     """
     path = Path(path)
-    if _format_of(path, ImageReadError) != "NIfTI":
+    if format_of(path, ImageReadError) != "NIfTI":
         raise ImageReadError(f"{path}: read_image_nibabel reads NIfTI files (.nii, .nii.gz) only")
     if not path.is_file():
         raise ImageReadError(f"{path}: no such file")
@@ -334,7 +334,7 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
-def _format_of(path: Path, error: type[RegkitError]) -> str:
+def format_of(path: Path, error: type[RegkitError]) -> str:
     """Format name of ``path`` from its extension (case-insensitive); raises ``error`` for unknown extensions."""
     name = path.name.lower()
     for ext in sorted(_FORMATS, key=len, reverse=True):
@@ -507,7 +507,7 @@ def write_image(image: Image, path: str | os.PathLike) -> Path:
             failure inside SimpleITK.
     """
     path = Path(path)
-    fmt = _format_of(path, ImageWriteError)
+    fmt = format_of(path, ImageWriteError)
     itk_image = _to_itk(image, path, fmt)
     folder = path.parent
     if not folder.is_dir():

@@ -72,11 +72,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from regkit import __version__
+from regkit import __version__, _atomic
 from regkit.config import dump_config
 from regkit.engine import rescale_intensities
 from regkit.errors import ImageDimensionError, ImageValueError, ImageWriteError, RegkitError
 from regkit.io import Image, write_image
+from regkit.png import write_png
 from regkit.similarity import build_similarity
 from regkit.spatial.affine import grid_centre, to_sitk_affine, write_itk_affine
 from regkit.spatial.grid import Grid
@@ -283,14 +284,11 @@ def write_displacement(field: torch.Tensor, grid: Grid, path: str | os.PathLike)
         raise ValueError(f"displacement of shape {tuple(field.shape)} does not fit grid shape {grid.shape}")
     if not path.parent.is_dir():
         raise ImageWriteError(f"cannot write {path}: folder {path.parent} does not exist")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{''.join(path.suffixes)}")
     try:
-        sitk.WriteImage(_sitk_image(field.detach().cpu().float().numpy(), grid, vector=True), str(tmp))
-        os.replace(tmp, path)
+        with _atomic.replacing(path) as tmp:
+            sitk.WriteImage(_sitk_image(field.detach().cpu().float().numpy(), grid, vector=True), str(tmp))
     except RuntimeError as err:
         raise ImageWriteError(f"cannot write {path}: {' '.join(str(err).split())[-200:]}") from err
-    finally:
-        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -384,12 +382,8 @@ def write_learn2reg(
     disp = learn2reg_displacement(transform, moving_grid, device)
     image = nib.Nifti1Image(disp, _nifti_affine(transform.fixed_grid))
     image.header.set_xyzt_units("mm")
-    tmp = path.with_name(f".{path.name.split('.')[0]}.tmp-{os.getpid()}{''.join(path.suffixes)}")
-    try:
+    with _atomic.replacing(path) as tmp:
         nib.save(image, str(tmp))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -575,12 +569,6 @@ def qc_picture(
     return (picture * 255).round().astype(np.uint8)
 
 
-def _write_png(rgb: np.ndarray, path: Path) -> None:
-    import SimpleITK as sitk
-
-    sitk.WriteImage(sitk.GetImageFromArray(rgb, isVector=True), str(path))
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Writing a result
 
@@ -702,7 +690,7 @@ def _write_all(
     det_fd = jacobian_determinant(displacement, fixed_grid)
     if flags.qc_png:
         picture = qc_picture(result.fixed.data, warped.data, displacement, det, (det_fd <= 0) | (det <= 0), fixed_grid)
-        _write_png(picture, paths["qc"])
+        write_png(picture, paths["qc"])
         done("qc")
     paths["config"].write_text(dump_config(result.config))
     done("config")

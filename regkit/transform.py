@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from regkit import _atomic
 from regkit.cpab.module import CPAB
 from regkit.errors import RegkitError
 from regkit.spatial.grid import Grid
@@ -218,14 +219,7 @@ class Transformation:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write :meth:`to_dict` as JSON, atomically (temporary file in the same folder, then rename)."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            tmp.write_text(json.dumps(self.to_dict(), indent=1))
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return path
+        return _atomic.write_text(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Transformation:

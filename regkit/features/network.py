@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from regkit import _atomic
 from regkit.errors import RegkitError
 from regkit.features.wtconv import WTConv
 from regkit.spatial.filters import gaussian_smooth
@@ -245,9 +246,8 @@ def save_feature_network(network: FeatureNetwork, path: str | Path, meta: Mappin
         "state_dict": {key: v.detach().float().cpu().contiguous() for key, v in network.state_dict().items()},
         "meta": dict(meta or {}),
     }
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(payload, tmp)
-    tmp.replace(path)
+    with _atomic.replacing(path) as tmp:
+        torch.save(payload, tmp)
     return path
 
 

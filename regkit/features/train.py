@@ -16,7 +16,7 @@ negatives:
   and of every other sample of the batch, except those of this sample closer than ``loss.exclusion`` voxels to ``c``.
   The negatives at ``p`` and those of other samples punish features that encode the position in the crop, or
   anything else common to all images, rather than the anatomy. (This trains features that tell regions apart over the
-  whole head but are smooth within a few voxels: poor registration losses, ``docs/benchmarks/features-cpu.md``.)
+  whole head but are smooth within a few voxels: poor registration losses, ``benchmarks/results/features-cpu.md``.)
 
 Either way ``loss = CE(S / T, target)`` with ``S`` the cosine similarities and ``T`` the temperature, averaged with the
 same the other way (view A's features at ``c`` as the queries, view B's at ``p`` and its neighbours as keys); the
@@ -50,6 +50,7 @@ import torch.nn.functional as F
 import yaml
 from torch import Tensor
 
+from regkit import _atomic
 from regkit.engine import resolve_device
 from regkit.errors import RegkitError
 from regkit.features.network import FeatureMaps, FeatureNetwork, NetworkSpec, save_feature_network
@@ -369,9 +370,8 @@ class Trainer:
 
 
 def _write_atomic(payload: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(payload, tmp)
-    tmp.replace(path)
+    with _atomic.replacing(path) as tmp:
+        torch.save(payload, tmp)
 
 
 def _read_log(path: Path, upto: int) -> list[dict[str, str]]:

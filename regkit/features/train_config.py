@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from regkit.config import Seq, _first_error, _invalid, _Model, _parse
+from regkit.config import Model, Seq, first_error, invalid, parse
 from regkit.errors import ConfigError
 
 __all__ = [
@@ -30,7 +30,7 @@ __all__ = [
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
-class NetworkConfig(_Model):
+class NetworkConfig(Model):
     """The feature network's hyper-parameters (``regkit.features.network.NetworkSpec``)."""
 
     channels: Seq[int] = Field(
@@ -52,18 +52,18 @@ class NetworkConfig(_Model):
     @classmethod
     def _two_positive(cls, values: tuple[int, ...]) -> tuple[int, ...]:
         if len(values) != 2 or any(v < 1 for v in values):
-            raise _invalid(f"needs 2 integers >= 1, one per stage (got {list(values)})")
+            raise invalid(f"needs 2 integers >= 1, one per stage (got {list(values)})")
         return values
 
     @field_validator("kernel_size")
     @classmethod
     def _odd(cls, k: int) -> int:
         if k % 2 == 0:
-            raise _invalid(f"must be odd (got {k})")
+            raise invalid(f"must be odd (got {k})")
         return k
 
 
-class SynthesisConfig(_Model):
+class SynthesisConfig(Model):
     """How the two views of a training sample are synthesised from the label maps (``regkit.features.synth``)."""
 
     source_spacing: float = Field(default=1.0, gt=0, description="Isotropic spacing (mm) of the label volume.")
@@ -115,11 +115,11 @@ class SynthesisConfig(_Model):
     @classmethod
     def _range(cls, values: tuple[float, ...]) -> tuple[float, ...]:
         if len(values) != 2 or not 0 < values[0] <= values[1]:
-            raise _invalid(f"needs (low, high) with 0 < low <= high (got {list(values)})")
+            raise invalid(f"needs (low, high) with 0 < low <= high (got {list(values)})")
         return values
 
 
-class LossConfig(_Model):
+class LossConfig(Model):
     """The InfoNCE loss over corresponding voxels of the two views."""
 
     negatives: Literal["local", "global"] = Field(
@@ -151,11 +151,11 @@ class LossConfig(_Model):
     @classmethod
     def _positive_radii(cls, values: tuple[float, ...]) -> tuple[float, ...]:
         if not values or any(v < 1 for v in values):
-            raise _invalid(f"needs distances >= 1 voxel (got {list(values)})")
+            raise invalid(f"needs distances >= 1 voxel (got {list(values)})")
         return values
 
 
-class FeatureTrainingConfig(_Model):
+class FeatureTrainingConfig(Model):
     """A self-supervised training run of the feature network (``regkit train-features``)."""
 
     dim: Literal[2, 3] = Field(description="Spatial dimensions of the network and of the synthesised views.")
@@ -178,14 +178,14 @@ class FeatureTrainingConfig(_Model):
     @classmethod
     def _device(cls, device: str) -> str:
         if not _DEVICE.fullmatch(device):
-            raise _invalid(f"must be 'auto', 'cpu', 'cuda' or 'cuda:N' (got {device!r})")
+            raise invalid(f"must be 'auto', 'cpu', 'cuda' or 'cuda:N' (got {device!r})")
         return device
 
     @model_validator(mode="after")
     def _crop_fits_levels(self) -> FeatureTrainingConfig:
         smallest = self.synthesis.crop // 2 ** max(self.network.levels[0], self.network.levels[1] + 1)
         if smallest < 1:
-            raise _invalid(
+            raise invalid(
                 f"crop {self.synthesis.crop} is too small for {list(self.network.levels)} wavelet levels",
                 ("synthesis", "crop"),
             )
@@ -218,8 +218,8 @@ def load_training_config(source: str | Path) -> FeatureTrainingConfig:
         raise ConfigError(f"{label}: no such file (shipped training configurations: {shipped})") from None
     except (UnicodeDecodeError, OSError) as err:
         raise ConfigError(f"{label}: cannot read ({type(err).__name__})") from None
-    layer = _parse(text, label)
+    layer = parse(text, label)
     try:
         return FeatureTrainingConfig.model_validate(layer.data)
     except ValidationError as err:
-        raise ConfigError(_first_error(err, layer)) from None
+        raise ConfigError(first_error(err, layer)) from None

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from regkit import _atomic
 from regkit.errors import ImageDimensionError, ImageValueError
 from regkit.spatial.grid import Grid
 
@@ -302,10 +302,6 @@ def write_itk_affine(path: str | os.PathLike[str], matrix: ArrayLike, centre: Ar
     import SimpleITK as sitk
 
     path = Path(path)
-    tmp = path.with_name(f".{path.stem}.{uuid.uuid4().hex}.tmp{path.suffix}")
-    try:
+    with _atomic.replacing(path) as tmp:
         sitk.WriteTransform(to_sitk_affine(matrix, centre), str(tmp))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path

@@ -16,8 +16,14 @@ from regkit.batch import MANIFEST, Manifest, lock_output_root
 from regkit.io import Image, read_image, write_image
 from regkit.spatial.grid import Grid
 from tests.apps.cli import run_cli
-from tests.core.test_batch import LIST_SPEC, TINY_CONFIG, corrupt, make_data, write_spec
-from tests.core.test_batch_cluster import isolate_worker_settings
+from tests.regkit.batch.batch_cases import (
+    LIST_SPEC,
+    TINY_CONFIG,
+    corrupt,
+    isolate_worker_settings,
+    make_data,
+    write_spec,
+)
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys, monkeypatch):
@@ -28,7 +34,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys, monkeypatc
     out = capsys.readouterr().out
     assert "2 jobs" in out and "b_to_a" in out and "c_to_a" in out and out.count("run") >= 2
     assert sorted(tmp_path.rglob("*")) == before
-    monkeypatch.setattr("regkit.batch._cpu_count", lambda: 2)
+    monkeypatch.setattr("regkit.batch.dask.cpu_count", lambda: 2)
     assert run_cli(["batch", spec, "--dry-run", "--executor", "dask", "--workers", "3"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("dask ")]
     assert lines == [f"dask worker-{i}: no GPU, 1 CPU thread" for i in range(3)]  # the jobs' device is cpu
@@ -40,7 +46,7 @@ def test_dry_run_shows_the_gpu_pinning(tmp_path, capsys, monkeypatch):
     (tmp_path / "tiny.yaml").write_text(TINY_CONFIG.replace("device: cpu", "device: auto"))
     spec = write_spec(tmp_path, LIST_SPEC)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr("regkit.batch._cpu_count", lambda: 16)
+    monkeypatch.setattr("regkit.batch.dask.cpu_count", lambda: 16)
     assert run_cli(["batch", spec, "--dry-run", "--executor", "dask"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("dask ")]
     assert lines == [

@@ -363,7 +363,7 @@ def test_failure_with_overwrite_keeps_the_old_folder(case, tmp_path, monkeypatch
     def fail(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(outputs, "_write_png", fail)
+    monkeypatch.setattr(outputs, "write_png", fail)
     with pytest.raises(RuntimeError):
         write_outputs(result, out, overwrite=True)
     assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["transform.json"]

@@ -1,6 +1,7 @@
-"""``regkit.batch`` on dask clusters: RegkitWorkerPlugin (version check, GPU pinning, threads, process settings and
-node-local caches), GPU jobs only on workers that declare the GPU resource, and a batch through dask-jobqueue's own
-local job cluster (the job-script machinery of SLURMCluster without SLURM)."""
+"""``regkit.batch.dask``: the dask executor without dask, the local workers (GPU pinning, threads, devices), and on dask
+clusters RegkitWorkerPlugin (version check, GPU pinning, threads, process settings and node-local caches), GPU jobs
+only on workers that declare the GPU resource, and a batch through dask-jobqueue's own local job cluster (the
+job-script machinery of SLURMCluster without SLURM)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import regkit
-from regkit import batch
 from regkit.batch import (
     MANIFEST,
     NODE_CACHE,
@@ -22,30 +23,71 @@ from regkit.batch import (
     load_spec,
     local_workers_for,
     node_cache_dir,
+    plan_local_workers,
     run_batch,
+    worker_plugin,
     worker_threads,
 )
+from regkit.batch import dask as batch_dask
 from regkit.errors import RegkitError
 from regkit.process import cache_root
-from tests.core.test_batch import LIST_SPEC, TINY_CONFIG, make_data, write_spec
+from tests.regkit.batch.batch_cases import LIST_SPEC, TINY_CONFIG, isolate_worker_settings, make_data, write_spec
 
-_SETTINGS = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "NUMBA_CACHE_DIR", "TRITON_CACHE_DIR", WORKER_THREADS)
+# --- local dask workers: GPU pinning and threads ---------------------------------------------------------------------
 
 
-def isolate_worker_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Let RegkitWorkerPlugin make its settings in this process (in-process dask workers) or in worker processes
-    started from it, and undo them after the test: the variables it sets are restored, one torch thread, and the
-    compile caches stay in regkit's own cache folder (warm: a cold numba cache costs each new worker its kernels'
-    compilation)."""
-    for name in _SETTINGS:
-        monkeypatch.setenv(name, os.environ.get(name, ""))  # recorded: restored (or removed) after the test
-        if not os.environ[name]:
-            monkeypatch.delenv(name)
-    monkeypatch.setenv(WORKER_THREADS, "1")
-    monkeypatch.setenv(NODE_CACHE, str(cache_root()))
-    numba = sys.modules.get("numba")
-    if numba is not None:
-        monkeypatch.setattr(numba.config, "CACHE_DIR", numba.config.CACHE_DIR)
+def test_dask_executor_without_dask_is_a_clear_error(tmp_path, monkeypatch):
+    make_data(tmp_path)
+    plan = load_spec(write_spec(tmp_path, LIST_SPEC))
+    monkeypatch.setitem(sys.modules, "dask.distributed", None)  # import fails as if dask were not installed
+    with pytest.raises(RegkitError, match=r"pip install 'regkit\[dask\]'"):
+        run_batch(plan, executor="dask")
+
+
+def test_plan_local_workers_pins_one_worker_per_gpu():
+    plan = plan_local_workers(None, gpus=2, cpus=16)
+    assert [(w.gpu, w.threads) for w in plan] == [(0, 8), (1, 8)]
+    assert plan[1].env == {"OMP_NUM_THREADS": "8", "REGKIT_WORKER_THREADS": "8", "CUDA_VISIBLE_DEVICES": "1"}
+    assert plan[1].resources == {"GPU": 1}
+    assert [w.gpu for w in plan_local_workers(5, gpus=2, cpus=16)] == [0, 1, 0, 1, 0]  # sharing, round-robin
+    assert [w.gpu for w in plan_local_workers(1, gpus=4, cpus=16)] == [0]
+    assert len({w.name for w in plan_local_workers(5, gpus=2, cpus=16)}) == 5
+    cpu = plan_local_workers(None, gpus=0, cpus=2)
+    assert [(w.gpu, w.threads) for w in cpu] == [(None, 1), (None, 1)]
+    assert cpu[0].env == {"OMP_NUM_THREADS": "1", "REGKIT_WORKER_THREADS": "1"} and cpu[0].resources == {}
+    assert [w.threads for w in plan_local_workers(3, gpus=0, cpus=2)] == [1, 1, 1]
+    with pytest.raises(ValueError, match="at least 1"):
+        plan_local_workers(0, gpus=0, cpus=2)
+
+
+def test_local_cluster_workers_get_their_gpu_and_threads():
+    distributed = pytest.importorskip("dask.distributed")
+
+    def environment() -> tuple[str | None, str | None]:
+        return os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("OMP_NUM_THREADS")
+
+    with (
+        batch_dask.local_cluster(plan_local_workers(None, gpus=2, cpus=6)) as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        seen = client.run(environment)
+        resources = [w["resources"] for w in client.scheduler_info()["workers"].values()]
+    assert sorted(seen.values()) == [("0", "3"), ("1", "3")]
+    assert resources == [{"GPU": 1}, {"GPU": 1}]
+
+
+def test_dask_executor_with_gpus_pins_and_checks_devices(tmp_path, monkeypatch):
+    pytest.importorskip("dask.distributed")
+    make_data(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(TINY_CONFIG.replace("device: cpu", "device: cuda:1"))
+    plan = load_spec(write_spec(tmp_path, LIST_SPEC))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(RegkitError, match=r"job b_to_a: device 'cuda:1' with --executor dask: .*use device 'cuda'"):
+        run_batch(plan, executor="dask")
+    assert {row["state"] for row in Manifest(plan.manifest).rows().values()} == {"pending"}  # nothing ran
+
+
+# --- dask clusters: RegkitWorkerPlugin, GPU resources, dask-jobqueue ------------------------------------------------
 
 
 def fake_worker(name: str, tmp_path: Path, gpu: bool, nthreads: int = 1) -> SimpleNamespace:
@@ -68,8 +110,6 @@ def test_job_resources_ask_for_a_gpu_only_for_cuda(tmp_path, monkeypatch):
         "cuda": {"GPU": 1},
         "cuda:0": {"GPU": 1},
     }
-    import torch
-
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert [w.resources for w in local_workers_for(jobs["auto"], 2)] == [{}, {}]  # no GPU: CPU workers
     with pytest.raises(RegkitError, match=r"job b_to_a: device 'cuda' with --executor dask, but this machine has no"):
@@ -79,7 +119,7 @@ def test_job_resources_ask_for_a_gpu_only_for_cuda(tmp_path, monkeypatch):
 
 
 def test_worker_threads_and_node_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(batch, "_cpu_count", lambda: 16)
+    monkeypatch.setattr(batch_dask, "cpu_count", lambda: 16)
     for name in (WORKER_THREADS, "OMP_NUM_THREADS", NODE_CACHE):
         monkeypatch.delenv(name, raising=False)
     worker = fake_worker("w", tmp_path, gpu=False, nthreads=2)
@@ -104,9 +144,9 @@ def test_worker_plugin_setup_pins_a_gpu_and_makes_the_settings(tmp_path, monkeyp
     isolate_worker_settings(monkeypatch)
     monkeypatch.delenv(WORKER_THREADS)
     monkeypatch.setenv(NODE_CACHE, str(tmp_path / "node"))
-    monkeypatch.setattr(batch, "_cpu_count", lambda: 16)
+    monkeypatch.setattr(batch_dask, "cpu_count", lambda: 16)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")  # a SLURM job with --gres=gpu:2 running 2 worker processes
-    plugin = batch.worker_plugin(regkit.__version__)
+    plugin = worker_plugin(regkit.__version__)
     plugin.setup(fake_worker("SLURMCluster-3-1", tmp_path, gpu=True))  # process 1 of `dask worker --nworkers 2`
     assert plugin.settings["gpu"] == os.environ["CUDA_VISIBLE_DEVICES"] == "5"
     assert plugin.settings["threads"] == 8 and os.environ["OMP_NUM_THREADS"] == "8"  # half the job's cores
@@ -122,7 +162,7 @@ def test_worker_plugin_setup_pins_a_gpu_and_makes_the_settings(tmp_path, monkeyp
     plugin.setup(fake_worker("cpu-worker-1", tmp_path, gpu=False))  # no GPU resource: not pinned, all the cores
     assert plugin.settings["gpu"] == "4,5" and plugin.settings["threads"] == 16
     with pytest.raises(RegkitError) as err:
-        batch.worker_plugin("0.0.1").setup(fake_worker("w", tmp_path, gpu=False))
+        worker_plugin("0.0.1").setup(fake_worker("w", tmp_path, gpu=False))
     expected = f"dask worker w (tcp://10.0.0.9:4000) runs regkit {regkit.__version__}, this client regkit 0.0.1"
     assert expected in str(err.value) and "\n" not in str(err.value)
 
@@ -156,7 +196,7 @@ def test_gpu_jobs_run_only_on_workers_with_the_gpu_resource(tmp_path, monkeypatc
         + "  - {fixed: data/a.nii.gz, moving: data/d.nii.gz}\n  - {fixed: data/a.nii.gz, moving: data/e.nii.gz}\n"
     )
     plan = load_spec(write_spec(tmp_path, body))
-    monkeypatch.setattr(batch, "job_resources", lambda job: {"GPU": 1})
+    monkeypatch.setattr(batch_dask, "job_resources", lambda job: {"GPU": 1})
 
     def worker(resources: dict[str, float]) -> dict:
         return {"cls": distributed.Worker, "options": {"nthreads": 1, "resources": resources}}

@@ -1,0 +1,333 @@
+"""The batch spec: its YAML schema (:class:`BatchSpec`, with :class:`JobEntry` and :class:`GlobSpec`) and
+:func:`load_spec`, which validates a spec (format: :mod:`regkit.batch`) and every input into a
+:class:`~regkit.batch.plan.Plan`, with a located message ``FILE:LINE: key.path: message`` for every problem."""
+
+from __future__ import annotations
+
+import csv
+import glob as globlib
+import os
+import string
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from regkit.batch.manifest import MANIFEST
+from regkit.batch.plan import INPUT_KEYS, Job, Plan
+from regkit.config import (
+    KeyPath,
+    Layer,
+    Model,
+    RegistrationConfig,
+    Seq,
+    first_error,
+    format_path,
+    invalid,
+    merge,
+    open_config,
+    parse,
+    read_layers,
+    resolve_paths,
+)
+from regkit.errors import ConfigError
+
+_LAYOUT_FIELDS = {"out", "fixed_stem", "moving_stem", "fixed_parent", "moving_parent", "index"}
+_IMAGE_SUFFIXES = (".nii.gz", ".nii", ".mha", ".mhd", ".nrrd", ".nhdr", ".png")
+
+
+class JobEntry(Model):
+    """One explicit pair of the ``jobs`` list."""
+
+    fixed: str = Field(description="Fixed image: the grid and world space of the outputs.")
+    moving: str = Field(description="Moving image, registered to the fixed image.")
+    fixed_labels: str | None = Field(default=None, description="Label map of the fixed image (Dice, HD95).")
+    moving_labels: str | None = Field(default=None, description="Label map of the moving image, warped.")
+    fixed_mask: str | None = Field(default=None, description="Mask on the fixed grid.")
+    moving_mask: str | None = Field(default=None, description="Mask on the moving grid.")
+    config: str | dict[str, Any] | None = Field(
+        default=None, description="A preset/file replacing `defaults`, or a mapping merged over them."
+    )
+
+
+class GlobSpec(Model):
+    """Jobs from glob patterns and a pairing rule."""
+
+    pairing: Literal["atlas", "within_folder", "pattern"] = Field(description="How images are paired.")
+    images: str | None = Field(default=None, description="Glob of the images (atlas, within_folder).")
+    atlas: str | None = Field(default=None, description="The fixed image of every pair (atlas).")
+    fixed: str | None = Field(default=None, description="Glob of the fixed images, one `*` (pattern).")
+    moving: str | None = Field(default=None, description="Glob of the moving images, one `*` (pattern).")
+
+    @model_validator(mode="after")
+    def _keys_of_rule(self) -> GlobSpec:
+        needed = {"atlas": ("images", "atlas"), "within_folder": ("images",), "pattern": ("fixed", "moving")}
+        for key in ("images", "atlas", "fixed", "moving"):
+            given = getattr(self, key) is not None
+            if given != (key in needed[self.pairing]):
+                verb = "needs" if not given else "does not use"
+                raise invalid(f"pairing {self.pairing!r} {verb} {key!r}", (key,))
+        if self.pairing == "pattern":
+            for key in ("fixed", "moving"):
+                if Path(getattr(self, key)).name.count("*") != 1:
+                    raise invalid("the file name must hold exactly one '*' (the part that pairs files)", (key,))
+        return self
+
+
+class BatchSpec(Model):
+    """A batch of registrations: default configuration, job sources and output layout."""
+
+    defaults: str | dict[str, Any] = Field(description="A preset name, a config file, or a config mapping.")
+    output: str = Field(description="The output root folder.")
+    manifest: str | None = Field(
+        default=None, description="The manifest file (default: manifest.sqlite in the output root), e.g. on local disk."
+    )
+    layout: str = Field(default="{out}/{moving_stem}_to_{fixed_stem}", description="Each job's output folder.")
+    jobs: Seq[JobEntry] = Field(default=(), description="Explicit pairs.")
+    csv: str | None = Field(default=None, description="A CSV of pairs (columns fixed, moving, ...).")
+    glob: GlobSpec | None = Field(default=None, description="Pairs from glob patterns.")
+
+    @field_validator("layout")
+    @classmethod
+    def _layout(cls, layout: str) -> str:
+        fields = {name for _, name, _, _ in string.Formatter().parse(layout) if name is not None}
+        unknown = fields - _LAYOUT_FIELDS
+        if unknown:
+            raise invalid(f"unknown field {{{sorted(unknown)[0]}}} (fields: {', '.join(sorted(_LAYOUT_FIELDS))})")
+        if not layout.startswith("{out}/"):
+            raise invalid("must start with {out}/ (job folders live in the output root)")
+        return layout
+
+    @model_validator(mode="after")
+    def _sources(self) -> BatchSpec:
+        if not self.jobs and self.csv is None and self.glob is None:
+            raise invalid("no jobs: give `jobs`, `csv` or `glob`")
+        return self
+
+
+def _stem(path: Path) -> str:
+    name = path.name
+    for suffix in _IMAGE_SUFFIXES:
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+@dataclass
+class _Draft:
+    """A job before its configuration is validated: inputs, where each was set, and its config override."""
+
+    inputs: dict[str, Path | None]
+    where: dict[str, str]  # input key -> 'FILE:LINE: key.path' for messages
+    config: str | dict[str, Any] | None = None
+    config_path: KeyPath = ()
+
+
+class _SpecReader:
+    """Turns a parsed spec layer into jobs, with a located message for every problem."""
+
+    def __init__(self, layer: Layer, folder: Path) -> None:
+        self.layer, self.folder = layer, folder
+
+    def where(self, path: KeyPath) -> str:
+        """``FILE:LINE: key.path`` of ``path`` (or of its nearest parent that was set in the file)."""
+        found = next(path[:n] for n in range(len(path), -1, -1) if path[:n] in self.layer.origins)
+        label, line = self.layer.origins[found]
+        return f"{label}:{line}: {format_path(path) or 'top level'}"
+
+    def path(self, value: str, base: Path | None = None) -> Path:
+        """``value`` as an absolute path, relative to ``base`` (default: the spec's folder)."""
+        return Path(os.path.abspath((base or self.folder) / Path(value).expanduser()))
+
+    def glob(self, pattern: str, key: KeyPath) -> list[Path]:
+        matches = sorted(Path(p) for p in globlib.glob(str(self.path(pattern))))
+        if not matches:
+            raise ConfigError(f"{self.where(key)}: {pattern!r} matches no file")
+        return matches
+
+    def explicit(self, spec: BatchSpec) -> list[_Draft]:
+        drafts = []
+        for i, entry in enumerate(spec.jobs):
+            inputs = {k: None if getattr(entry, k) is None else self.path(getattr(entry, k)) for k in INPUT_KEYS}
+            where = {k: self.where(("jobs", i, k)) for k in INPUT_KEYS}
+            drafts.append(_Draft(inputs, where, entry.config, ("jobs", i, "config")))
+        return drafts
+
+    def from_csv(self, value: str) -> list[_Draft]:
+        csv_path = self.path(value)
+        where = self.where(("csv",))
+        try:
+            text = csv_path.read_text(encoding="utf-8")
+        except OSError as err:
+            raise ConfigError(f"{where}: cannot read {csv_path} ({err.strerror})") from None
+        reader = csv.DictReader(text.splitlines())
+        columns = reader.fieldnames or []
+        unknown = [c for c in columns if c not in INPUT_KEYS]
+        missing = [c for c in ("fixed", "moving") if c not in columns]
+        if unknown or missing:
+            problem = f"unknown column {unknown[0]!r}" if unknown else f"missing column {missing[0]!r}"
+            raise ConfigError(f"{csv_path}:1: {problem} (columns: {', '.join(INPUT_KEYS)})")
+        drafts = []
+        for row in reader:
+            line = reader.line_num
+            if not row.get("fixed") or not row.get("moving"):
+                raise ConfigError(f"{csv_path}:{line}: fixed and moving must both be given")
+            inputs = {k: self.path(row[k], csv_path.parent) if row.get(k) else None for k in INPUT_KEYS}
+            drafts.append(_Draft(inputs, {k: f"{csv_path}:{line}: {k}" for k in INPUT_KEYS}))
+        if not drafts:
+            raise ConfigError(f"{where}: {csv_path} lists no pairs")
+        return drafts
+
+    def from_glob(self, spec: GlobSpec) -> list[_Draft]:
+        def draft(fixed: Path, moving: Path, fkey: str, mkey: str) -> _Draft:
+            inputs: dict[str, Path | None] = dict.fromkeys(INPUT_KEYS)
+            inputs.update(fixed=fixed, moving=moving)
+            return _Draft(inputs, {"fixed": self.where(("glob", fkey)), "moving": self.where(("glob", mkey))})
+
+        if spec.pairing == "atlas":
+            assert spec.atlas is not None and spec.images is not None  # GlobSpec checked the keys of the rule
+            atlas = self.path(spec.atlas)
+            return [draft(atlas, image, "atlas", "images") for image in self.glob(spec.images, ("glob", "images"))]
+        if spec.pairing == "within_folder":
+            assert spec.images is not None
+            folders: dict[Path, list[Path]] = {}
+            for image in self.glob(spec.images, ("glob", "images")):
+                folders.setdefault(image.parent, []).append(image)
+            return [
+                draft(a, b, "images", "images")
+                for images in folders.values()
+                for i, a in enumerate(images)
+                for b in images[i + 1 :]
+            ]
+        keyed = {}
+        for role in ("fixed", "moving"):
+            pattern: str = getattr(spec, role)
+            prefix, suffix = Path(pattern).name.split("*")
+            files = self.glob(pattern, ("glob", role))
+            keyed[role] = {f.name[len(prefix) : len(f.name) - len(suffix)]: f for f in files}
+        common = sorted(keyed["fixed"].keys() & keyed["moving"].keys())
+        if not common:
+            raise ConfigError(f"{self.where(('glob', 'pairing'))}: no fixed and moving files share a '*' part")
+        return [draft(keyed["fixed"][k], keyed["moving"][k], "fixed", "moving") for k in common]
+
+    def config_layer(self, value: str | dict[str, Any], key: KeyPath) -> Layer:
+        """The configuration layer of a preset/file name or a mapping set at ``key`` in the spec."""
+        where = f"{self.where(key)}: "
+        if isinstance(value, str):
+            return read_layers(open_config(value, self.folder, where), ())
+        origins = {p[len(key) :]: o for p, o in self.layer.origins.items() if p[: len(key)] == key}
+        data = resolve_paths(value, self.folder)
+        if "base" not in data:
+            return Layer(data, origins)
+        ref = data.pop("base")
+        if not isinstance(ref, str):
+            raise ConfigError(f"{self.where((*key, 'base'))}: expected a preset name or a file path")
+        base = read_layers(open_config(ref, self.folder, f"{self.where((*key, 'base'))}: "), ())
+        return merge(base, Layer(data, {p: o for p, o in origins.items() if p[:1] != ("base",)}))
+
+
+def _validate_config(layer: Layer) -> RegistrationConfig:
+    try:
+        return RegistrationConfig.model_validate(layer.data)
+    except ValidationError as err:
+        raise ConfigError(first_error(err, layer)) from None
+
+
+def _check_input(path: Path, where: str) -> None:
+    """Raise a located :class:`ConfigError` unless ``path`` is a DICOM folder or an image whose header reads."""
+    import SimpleITK as sitk
+
+    from regkit.errors import ImageReadError
+    from regkit.io import format_of
+
+    if path.is_dir():
+        return
+    if not path.is_file():
+        raise ConfigError(f"{where}: no such file: {path}")
+    try:
+        format_of(path, ImageReadError)
+    except ImageReadError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    reader = sitk.ImageFileReader()
+    reader.SetFileName(str(path))
+    try:
+        reader.ReadImageInformation()
+    except RuntimeError:
+        raise ConfigError(f"{where}: cannot read the image header of {path} (corrupt or not an image)") from None
+
+
+def load_spec(spec_path: str | os.PathLike, manifest: str | os.PathLike | None = None) -> Plan:
+    """Read and validate a batch spec (:mod:`regkit.batch`) into a :class:`Plan`, checking every input's header.
+    ``manifest`` (``--manifest``), relative to the current folder, replaces the spec's ``manifest``.
+
+    Raises :class:`~regkit.errors.ConfigError` ``FILE:LINE: key.path: message`` on the first problem.
+    """
+    spec_path = Path(spec_path)
+    try:
+        text = spec_path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{spec_path}: no such file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{spec_path}: not a UTF-8 text file") from None
+    layer = parse(text, str(spec_path))
+    try:
+        spec = BatchSpec.model_validate(layer.data)
+    except ValidationError as err:
+        raise ConfigError(first_error(err, layer)) from None
+    folder = spec_path.parent.absolute()
+    reader = _SpecReader(layer, folder)
+    drafts = reader.explicit(spec)
+    if spec.csv is not None:
+        drafts += reader.from_csv(spec.csv)
+    if spec.glob is not None:
+        drafts += reader.from_glob(spec.glob)
+
+    root = reader.path(spec.output)
+    if manifest is not None:
+        manifest_path, where = Path(os.path.abspath(manifest)), "--manifest"
+    elif spec.manifest is not None:
+        manifest_path, where = reader.path(spec.manifest), reader.where(("manifest",))
+    else:
+        manifest_path, where = root / MANIFEST, reader.where(("output",))
+    if manifest_path.is_dir():
+        raise ConfigError(f"{where}: the manifest {manifest_path} is a folder; give a file path")
+    defaults = reader.config_layer(spec.defaults, ("defaults",))
+    default_config = _validate_config(defaults)
+    checked: set[Path] = set()
+    seen: dict[Path, str] = {}
+    jobs = []
+    for index, draft in enumerate(drafts):
+        for key in INPUT_KEYS:
+            path = draft.inputs[key]
+            if path is not None and path not in checked:
+                _check_input(path, draft.where[key])
+                checked.add(path)
+        config = default_config
+        if draft.config is not None:
+            over = reader.config_layer(draft.config, draft.config_path)
+            config = _validate_config(over if isinstance(draft.config, str) else merge(defaults, over))
+        fixed, moving = draft.inputs["fixed"], draft.inputs["moving"]
+        assert fixed is not None and moving is not None
+        out_dir = Path(
+            os.path.normpath(
+                spec.layout.format(
+                    out=root,
+                    fixed_stem=_stem(fixed),
+                    moving_stem=_stem(moving),
+                    fixed_parent=fixed.parent.name,
+                    moving_parent=moving.parent.name,
+                    index=index,
+                )
+            )
+        )
+        if out_dir == root or root not in out_dir.parents:
+            raise ConfigError(f"{reader.where(('layout',))}: {out_dir} is not a folder inside the output root {root}")
+        if out_dir in seen:
+            raise ConfigError(
+                f"{draft.where['moving']}: job {index} ({fixed.name}, {moving.name}) has the same output folder "
+                f"{out_dir} as {seen[out_dir]}; use a layout with more fields (e.g. {{index}} or {{fixed_parent}})"
+            )
+        seen[out_dir] = f"job {index} ({fixed.name}, {moving.name})"
+        jobs.append(Job(out_dir.relative_to(root).as_posix(), draft.inputs, config, out_dir))
+    return Plan(spec_path.absolute(), root, jobs, manifest_path)

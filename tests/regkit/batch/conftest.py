@@ -1,0 +1,12 @@
+"""Set-up of every batch test: one torch thread, restored afterwards."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
