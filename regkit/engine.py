@@ -51,8 +51,10 @@ from regkit.config import AffineStage, CpabStage, MomentsStage, RegistrationConf
 from regkit.cpab.module import CPAB
 from regkit.cpab.prior import CPABPrior, VertexPrior
 from regkit.errors import ImageDimensionError, ImageValueError, RegkitError
+from regkit.intensity import rescale_intensities
 from regkit.io import Image
-from regkit.similarity import Similarity, build_similarity
+from regkit.similarity import build_similarity
+from regkit.similarity.base import Similarity
 from regkit.spatial.affine import AffineTransform, RigidTransform, grid_centre, moments_init
 from regkit.spatial.grid import Grid
 from regkit.spatial.pyramid import build_pyramid
@@ -65,11 +67,8 @@ __all__ = [
     "RegistrationResult",
     "StageReport",
     "register",
-    "rescale_intensities",
     "resolve_device",
 ]
-
-_PERCENTILES = (0.5, 99.5)
 
 
 class Cancelled(RegkitError):
@@ -130,21 +129,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RegkitError(f"device '{name}' requested but no CUDA device is available; use --device cpu")
     return device
-
-
-def rescale_intensities(data: torch.Tensor) -> torch.Tensor:
-    """Intensities mapped linearly from their 0.5th/99.5th percentiles to [0, 1] and clamped to [-0.5, 1.5], in
-    ``data``'s floating dtype (float32 for integer images); a constant image gives zeros. What every similarity
-    measure sees during registration."""
-    values = data if data.is_floating_point() else data.float()
-    flat = values.flatten()
-    if flat.numel() > 2**24:  # quantile's input limit; a strided subsample estimates the percentiles as well
-        flat = flat[:: flat.numel() // 2**24 + 1]
-    q = torch.tensor(_PERCENTILES, device=flat.device) / 100
-    lo, hi = torch.quantile(flat.float(), q).tolist()
-    if hi <= lo:
-        return torch.zeros_like(values)  # a constant image: nothing to align; the similarities stay finite
-    return ((values - lo) / (hi - lo)).clamp(-0.5, 1.5)
 
 
 def _normalised(image: Image, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -12,26 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from regkit.batch.manifest import MANIFEST
 from regkit.batch.plan import INPUT_KEYS, Job, Plan
-from regkit.config import (
-    KeyPath,
-    Layer,
-    Model,
-    RegistrationConfig,
-    Seq,
-    first_error,
-    format_path,
-    invalid,
-    merge,
-    open_config,
-    parse,
-    read_layers,
-    resolve_paths,
-)
+from regkit.config.layers import Layer, merge, open_config, read_layers, read_yaml, resolve_paths
+from regkit.config.messages import format_path, validate
+from regkit.config.schema import RegistrationConfig
 from regkit.errors import ConfigError
+from regkit.options import KeyPath, Model, Seq, invalid
 
 _LAYOUT_FIELDS = {"out", "fixed_stem", "moving_stem", "fixed_parent", "moving_parent", "index"}
 _IMAGE_SUFFIXES = (".nii.gz", ".nii", ".mha", ".mhd", ".nrrd", ".nhdr", ".png")
@@ -227,13 +216,6 @@ class _SpecReader:
         return merge(base, Layer(data, {p: o for p, o in origins.items() if p[:1] != ("base",)}))
 
 
-def _validate_config(layer: Layer) -> RegistrationConfig:
-    try:
-        return RegistrationConfig.model_validate(layer.data)
-    except ValidationError as err:
-        raise ConfigError(first_error(err, layer)) from None
-
-
 def _check_input(path: Path, where: str) -> None:
     """Raise a located :class:`ConfigError` unless ``path`` is a DICOM folder or an image whose header reads."""
     import SimpleITK as sitk
@@ -264,17 +246,8 @@ def load_spec(spec_path: str | os.PathLike, manifest: str | os.PathLike | None =
     Raises :class:`~regkit.errors.ConfigError` ``FILE:LINE: key.path: message`` on the first problem.
     """
     spec_path = Path(spec_path)
-    try:
-        text = spec_path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{spec_path}: no such file") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{spec_path}: not a UTF-8 text file") from None
-    layer = parse(text, str(spec_path))
-    try:
-        spec = BatchSpec.model_validate(layer.data)
-    except ValidationError as err:
-        raise ConfigError(first_error(err, layer)) from None
+    layer = read_yaml(spec_path, str(spec_path))
+    spec = validate(BatchSpec, layer)
     folder = spec_path.parent.absolute()
     reader = _SpecReader(layer, folder)
     drafts = reader.explicit(spec)
@@ -293,7 +266,7 @@ def load_spec(spec_path: str | os.PathLike, manifest: str | os.PathLike | None =
     if manifest_path.is_dir():
         raise ConfigError(f"{where}: the manifest {manifest_path} is a folder; give a file path")
     defaults = reader.config_layer(spec.defaults, ("defaults",))
-    default_config = _validate_config(defaults)
+    default_config = validate(RegistrationConfig, defaults)
     checked: set[Path] = set()
     seen: dict[Path, str] = {}
     jobs = []
@@ -306,7 +279,7 @@ def load_spec(spec_path: str | os.PathLike, manifest: str | os.PathLike | None =
         config = default_config
         if draft.config is not None:
             over = reader.config_layer(draft.config, draft.config_path)
-            config = _validate_config(over if isinstance(draft.config, str) else merge(defaults, over))
+            config = validate(RegistrationConfig, over if isinstance(draft.config, str) else merge(defaults, over))
         fixed, moving = draft.inputs["fixed"], draft.inputs["moving"]
         assert fixed is not None and moving is not None
         out_dir = Path(

@@ -9,14 +9,14 @@ line ``FILE:LINE: key.path: message``). Shipped configurations: ``regkit/configs
 from __future__ import annotations
 
 import re
-from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from regkit.config import Model, Seq, first_error, invalid, parse
-from regkit.errors import ConfigError
+from regkit.config.layers import presets_folder, read_yaml
+from regkit.config.messages import validate
+from regkit.options import Model, Seq, invalid
 
 __all__ = [
     "FeatureTrainingConfig",
@@ -192,13 +192,9 @@ class FeatureTrainingConfig(Model):
         return self
 
 
-def _presets_dir() -> Path:
-    return Path(str(resources.files("regkit") / "configs"))
-
-
 def training_presets() -> list[str]:
     """Names of the training configurations shipped with regkit (``regkit/configs/features-*.yaml``), sorted."""
-    return sorted(p.stem for p in _presets_dir().glob("features-*.yaml"))
+    return sorted(p.stem for p in presets_folder().glob("features-*.yaml"))
 
 
 def load_training_config(source: str | Path) -> FeatureTrainingConfig:
@@ -207,19 +203,10 @@ def load_training_config(source: str | Path) -> FeatureTrainingConfig:
     Raises :class:`~regkit.errors.ConfigError` with one line ``FILE:LINE: key.path: message`` on any problem.
     """
     if isinstance(source, str) and source in training_presets():
-        path, label = _presets_dir() / f"{source}.yaml", f"regkit/configs/{source}.yaml"
+        path, label = presets_folder() / f"{source}.yaml", f"regkit/configs/{source}.yaml"
     else:
         path = Path(source).expanduser()
         label = str(path)
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        shipped = ", ".join(training_presets())
-        raise ConfigError(f"{label}: no such file (shipped training configurations: {shipped})") from None
-    except (UnicodeDecodeError, OSError) as err:
-        raise ConfigError(f"{label}: cannot read ({type(err).__name__})") from None
-    layer = parse(text, label)
-    try:
-        return FeatureTrainingConfig.model_validate(layer.data)
-    except ValidationError as err:
-        raise ConfigError(first_error(err, layer)) from None
+    shipped = ", ".join(training_presets())
+    layer = read_yaml(path, label, hint=f" (shipped training configurations: {shipped})")
+    return validate(FeatureTrainingConfig, layer)

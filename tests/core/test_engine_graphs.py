@@ -13,7 +13,8 @@ from torch.overrides import TorchFunctionMode
 
 import regkit._backend
 import regkit.engine as engine
-import regkit.similarity
+import regkit.similarity.lncc
+import regkit.similarity.mi
 import regkit.spatial.filters
 import regkit.spatial.sampling
 from regkit.config import RegistrationConfig
@@ -82,8 +83,8 @@ def _spied_iterations(monkeypatch, fixed: Image, moving: Image, config: Registra
     found: dict[str, Counter] = {}
     monkeypatch.setattr(regkit._backend, "capturing", lambda tensor: True)
     monkeypatch.setattr(regkit.spatial.filters, "_BOX_FACES", ("torch",))
-    monkeypatch.setattr(regkit.similarity, "_LNCC_FACES", ("torch",))
-    monkeypatch.setattr(regkit.similarity, "_MI_FACES", ("torch",))
+    monkeypatch.setattr(regkit.similarity.lncc, "LNCC_FACES", ("torch",))
+    monkeypatch.setattr(regkit.similarity.mi, "MI_FACES", ("torch",))
     monkeypatch.setattr(regkit.spatial.sampling, "_LINEAR_FACES", ("torch",))
     optimize = engine._optimize
 

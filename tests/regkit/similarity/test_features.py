@@ -1,16 +1,16 @@
 """The learned ``features`` similarity: registry and parameters, values, caching of the fixed features, the two
 modes, gradients, a registration through the engine, and the true alignment of a real multi-modal pair."""
 
-import typing
-
 import pytest
 import torch
 
-from regkit.config import FeaturesSimilarity, load_config
-from regkit.engine import register, rescale_intensities
+from regkit.config import load_config
+from regkit.engine import register
 from regkit.errors import ConfigError
+from regkit.intensity import rescale_intensities
 from regkit.io import Image, read_image
-from regkit.similarity import FEATURE_DISTANCES, FEATURE_MODES, SIMILARITIES, FeatureSimilarity, build_similarity
+from regkit.similarity import SIMILARITIES, build_similarity
+from regkit.similarity.features import FeatureSimilarity
 from regkit.spatial.grid import Grid
 from regkit.spatial.pyramid import build_pyramid
 from regkit.spatial.sampling import sample_image
@@ -25,14 +25,8 @@ def _blobs(size: int = 32, shift: float = 0.0) -> torch.Tensor:
     return image[None, None]
 
 
-def test_the_configuration_offers_the_modes_and_distances_that_the_similarity_takes():
-    fields = FeaturesSimilarity.model_fields
-    assert typing.get_args(fields["mode"].annotation) == FEATURE_MODES
-    assert typing.get_args(fields["distance"].annotation) == FEATURE_DISTANCES
-
-
 def test_registered_and_built_from_the_configuration(tmp_path):
-    assert SIMILARITIES["features"] is FeatureSimilarity
+    assert SIMILARITIES["features"].measure_class() is FeatureSimilarity
     sim = build_similarity("features", mode="warp_features", weights=None)
     assert sim.mode == "warp_features" and sim.weights is None
     with pytest.raises(ConfigError, match="features mode must be"):

@@ -1,0 +1,54 @@
+"""regkit.config.files: loading the presets, dump/load round trips, hashes."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from regkit.config import (
+    CpabStage,
+    LnccSimilarity,
+    config_hash,
+    dump_config,
+    list_presets,
+    load_config,
+)
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_preset_round_trips_through_dump(name, tmp_path):
+    cfg = load_config(name)
+    text = dump_config(cfg)
+    path = tmp_path / "dumped.yaml"
+    path.write_text(text)
+    again = load_config(str(path))
+    assert again == cfg
+    assert dump_config(again) == text
+    assert config_hash(again) == config_hash(cfg)
+
+
+def test_brain_preset_schedule():
+    cfg = load_config("brain-mri-3d")
+    assert [s.type for s in cfg.stages] == ["moments", "affine", "cpab"]
+    cpab = cfg.stages[-1]
+    assert isinstance(cpab, CpabStage)
+    assert isinstance(cpab.similarity, LnccSimilarity)
+    assert cpab.level_cells(3) == ((4, 4, 4), (8, 8, 8), (12, 12, 12))
+    assert len(cpab.pyramid) == 3
+
+
+def test_2d_presets_are_2d():
+    assert load_config("histology-2d").dim == 2
+    assert load_config("quick-2d").dim == 2
+
+
+def test_hash_differs_between_configs():
+    assert config_hash(load_config("demo")) != config_hash(load_config("demo", {"seed": 1}))
+    assert len(config_hash(load_config("demo"))) == 64
+
+
+def test_dump_is_yaml_with_every_default():
+    data = yaml.safe_load(dump_config(load_config("quick-2d")))
+    assert data["outputs"]["transform_h5"] is True
+    assert data["stages"][-1]["prior"]["length_scale"] == 0.1
+    assert data["stages"][-1]["tessellation"] == [4, 8]

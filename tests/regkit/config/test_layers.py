@@ -1,0 +1,148 @@
+"""regkit.config.layers: presets, YAML with line numbers, bases, overrides and relative paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from regkit.config import (
+    FeaturesSimilarity,
+    dump_config,
+    list_presets,
+    load_config,
+)
+from tests.regkit.config.yaml_files import config_error, write_yaml
+
+
+def test_presets_are_listed():
+    assert {"brain-mri-3d", "brain-mri-3d-multimodal", "ct-3d", "histology-2d", "quick-2d", "demo"} <= set(
+        list_presets()
+    )
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_preset_starts_with_a_comment(name):
+    text = (Path(__import__("regkit").__file__).parent / "configs" / f"{name}.yaml").read_text()
+    assert text.startswith("# ")
+
+
+def test_exponent_without_dot_is_a_float(tmp_path):
+    path = write_yaml(
+        tmp_path, "stages:\n  - type: affine\n    similarity: {name: mse}\n    optimizer: {tolerance: 1e-6}\n"
+    )
+    assert load_config(str(path)).stages[0].optimizer.tolerance == 1e-6
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "absent.yaml"
+    assert config_error(str(path)) == f"{path}: no such file"
+
+
+def test_unknown_preset_lists_presets_and_suggests():
+    error = config_error("brain-mri")
+    assert "'brain-mri' is neither a YAML file nor a preset; did you mean 'brain-mri-3d'?" in error
+    assert all(name in error for name in list_presets())
+
+
+def test_multiple_documents_are_rejected(tmp_path):
+    error = config_error(str(write_yaml(tmp_path, "dim: 3\n---\ndim: 2\n")))
+    assert error.startswith(f"{tmp_path / 'cfg.yaml'}:2: invalid YAML")
+
+
+def test_unsafe_tags_are_rejected(tmp_path):
+    error = config_error(str(write_yaml(tmp_path, "seed: !!python/object/apply:os.getpid []\n")))
+    assert error.startswith(f"{tmp_path / 'cfg.yaml'}:1: invalid YAML")
+
+
+def test_overrides_merge_deeply():
+    cfg = load_config("demo", {"device": "cpu", "seed": 7, "outputs": {"qc_png": False}})
+    base = load_config("demo")
+    assert (cfg.device, cfg.seed, cfg.outputs.qc_png) == ("cpu", 7, False)
+    assert cfg.outputs.warped and cfg.stages == base.stages
+
+
+def test_override_errors_name_the_overrides():
+    assert config_error("demo", {"device": "tpu"}).startswith("overrides: device: must be")
+
+
+def test_base_and_override(tmp_path):
+    text = """\
+# starts from the brain preset
+base: brain-mri-3d
+seed: 3
+outputs:
+  qc_png: false
+"""
+    cfg = load_config(str(write_yaml(tmp_path, text)))
+    base = load_config("brain-mri-3d")
+    assert cfg.seed == 3 and not cfg.outputs.qc_png and cfg.outputs.jacobian
+    assert cfg.stages == base.stages
+
+
+def test_lists_replace_and_mappings_merge_through_a_base_file(tmp_path):
+    write_yaml(
+        tmp_path,
+        "device: cpu\nstages:\n  - type: moments\n  - type: affine\n    similarity: {name: mse}\n",
+        "base.yaml",
+    )
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    path = write_yaml(sub, "base: ../base.yaml\nstages:\n  - type: rigid\n    similarity: {name: ncc}\n")
+    cfg = load_config(str(path))
+    assert cfg.device == "cpu"
+    assert [s.type for s in cfg.stages] == ["rigid"]
+
+
+def test_error_in_a_base_file_points_into_it(tmp_path):
+    base = write_yaml(tmp_path, "stages:\n  - type: moments\nseed: -2\n", "base.yaml")
+    path = write_yaml(tmp_path, "base: base.yaml\ndim: 2\n")
+    assert config_error(str(path)).startswith(f"{base}:3: seed: must be >= 0")
+
+
+def test_error_in_an_overriding_stage_ignores_the_base_lines(tmp_path):
+    path = write_yaml(tmp_path, "base: demo\nstages:\n  - type: rigid\n")
+    assert config_error(str(path)).startswith(f"{path}:3: stages[0].similarity: required key missing")
+
+
+def test_unknown_and_circular_bases(tmp_path):
+    path = write_yaml(tmp_path, "dim: 3\nbase: demmo\n")
+    assert config_error(str(path)).startswith(
+        f"{path}:2: base: 'demmo' is neither a YAML file nor a preset; did you mean 'demo'?"
+    )
+    write_yaml(tmp_path, "base: b.yaml\n", "a.yaml")
+    write_yaml(tmp_path, "base: ../" + tmp_path.name + "/a.yaml\n", "b.yaml")
+    assert "circular base" in config_error(str(tmp_path / "a.yaml"))
+
+
+def test_relative_paths_resolve_against_the_yaml_folder(tmp_path):
+    (tmp_path / "nets").mkdir()
+    (tmp_path / "nets" / "w.pt").write_bytes(b"")
+    write_yaml(
+        tmp_path, "stages:\n  - type: affine\n    similarity: {name: features, weights: nets/w.pt}\n", "base.yaml"
+    )
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    cfg = load_config(str(write_yaml(sub, "base: ../base.yaml\nseed: 1\n")))
+    similarity = cfg.stages[0].similarity
+    assert isinstance(similarity, FeaturesSimilarity)
+    assert similarity.weights is not None and similarity.weights.samefile(tmp_path / "nets" / "w.pt")
+    dumped = write_yaml(sub, dump_config(cfg), "dumped.yaml")
+    assert load_config(str(dumped)) == cfg
+
+
+def test_anchors_and_aliases(tmp_path):
+    text = """\
+stages:
+  - type: affine
+    similarity: {name: ncc}
+    pyramid: &pyramid
+      - {shrink: 2, smoothing: 1.0}
+      - {shrink: 1, smoothing: 0.0}
+  - type: cpab
+    similarity: {name: ncc}
+    pyramid: *pyramid
+    tessellation: [4, 8]
+"""
+    cfg = load_config(str(write_yaml(tmp_path, text)))
+    assert cfg.stages[0].pyramid == cfg.stages[1].pyramid
