@@ -41,11 +41,11 @@ process.configure_caches()
 # Top-level name -> the module that defines it (imported lazily by __getattr__).
 _LAZY = {
     "register": "regkit.engine",
-    "read_image": "regkit.io",
-    "write_image": "regkit.io",
-    "Image": "regkit.io",
+    "read_image": "regkit.io.files",
+    "write_image": "regkit.io.files",
+    "Image": "regkit.io.image",
     "load_config": "regkit.config",
-    "write_outputs": "regkit.outputs",
+    "write_outputs": "regkit.results.folder",
     "Transformation": "regkit.transform",
 }
 

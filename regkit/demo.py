@@ -270,7 +270,7 @@ def run_demo(
 ) -> dict:
     """Generate the demo pair, register it with the ``demo`` preset and write the outputs into ``out_dir``.
 
-    ``out_dir`` gets the outputs of :func:`regkit.outputs.write_outputs` (warped images, displacement fields,
+    ``out_dir`` gets the outputs of :func:`regkit.results.write_outputs` (warped images, displacement fields,
     transforms, Jacobian, ``metrics.json``, ``qc.png``, ...) and, in ``out_dir/inputs``, the generated pair
     (``fixed.nii.gz``, ``moving.nii.gz``, ``fixed_labels.nii.gz``, ``moving_labels.nii.gz``) for reruns with
     ``regkit register``. Prints the steps, mean Dice over the AAL labels before registration, after the linear stages
@@ -294,7 +294,7 @@ def run_demo(
     from regkit.config import load_config
     from regkit.engine import register
     from regkit.io import write_image
-    from regkit.outputs import OUTPUT_FILES, check_output_dir, write_outputs
+    from regkit.results import OUTPUT_FILES, check_output_dir, write_outputs
     from regkit.spatial.metrics import mean_dice
     from regkit.transform import Transformation
 

@@ -1,5 +1,5 @@
 """PNG pictures of 8-bit RGB arrays ``(H, W, 3)`` (rows top to bottom), encoded by SimpleITK (libpng): the QC
-picture ``qc.png`` of :func:`regkit.outputs.write_outputs` and the thumbnails of the batch report."""
+picture ``qc.png`` of :func:`regkit.results.write_outputs` and the thumbnails of the batch report."""
 
 from __future__ import annotations
 

@@ -19,8 +19,7 @@ import torch
 
 from napari_regkit._logic import grid_from_napari_affine, napari_affine
 from regkit.errors import ImageDimensionError, ImageValueError
-from regkit.io import SUPPORTED_EXTENSIONS, Image, read_image, write_image
-from regkit.outputs import RegistrationInputs, as_label_map
+from regkit.io import SUPPORTED_EXTENSIONS, Image, RegistrationInputs, as_label_map, read_image, write_image
 
 if TYPE_CHECKING:
     from napari.types import LayerData
@@ -154,7 +153,7 @@ def registration_inputs(
     (:func:`layer_image`), checked: all must have the fixed image's dimension
     (:class:`~regkit.errors.ImageDimensionError`), the images must not be constant and the label and mask layers not
     all zero (:class:`~regkit.errors.ImageValueError`), label maps must hold integer labels
-    (:func:`regkit.outputs.as_label_map`). Messages name the layers."""
+    (:func:`regkit.io.as_label_map`). Messages name the layers."""
     images: dict[str, Image | None] = {}
     for key, layer in (
         ("fixed", fixed),

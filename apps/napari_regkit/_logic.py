@@ -28,8 +28,8 @@ import torch
 from regkit.config import DEFAULT_PRESETS, CpabStage, MomentsStage, RegistrationConfig, load_config
 from regkit.cpab.module import CPAB
 from regkit.errors import ConfigError, RegkitError
-from regkit.io import Image
-from regkit.outputs import RegistrationInputs, resample
+from regkit.io import Image, RegistrationInputs
+from regkit.results import resample
 from regkit.spatial.grid import Grid
 from regkit.transform import Transformation
 

@@ -31,7 +31,7 @@ elsewhere, e.g. on a local disk) holds each job's state (pending, running, done,
 its configuration hash (:func:`regkit.config.config_hash`), its one-line error and its timings. Only the process
 running the batch writes it, also with dask, whose workers return their outcomes to it. A job is skipped when it is
 done with unchanged inputs and configuration and its output folder holds ``transform.json`` (folders are written
-atomically by :func:`regkit.outputs.write_outputs`, so a folder that exists is complete, even after ``kill -9``);
+atomically by :func:`regkit.results.write_outputs`, so a folder that exists is complete, even after ``kill -9``);
 failed jobs are skipped unless ``retry_failed`` (or their inputs changed); ``force`` reruns everything. A failing job
 is recorded and the others go on. At the end of every run (a rerun too, and one stopped by an exception or Ctrl-C),
 the output root gets, written atomically, ``summary.csv`` with one row per job of the plan (:data:`SUMMARY_COLUMNS`)

@@ -40,7 +40,8 @@ def one_line(err: BaseException) -> str:
 def _register_job(job: Job) -> str:
     """Read the job's inputs, register and write its output folder; returns the device used."""
     from regkit.engine import register
-    from regkit.outputs import read_registration_inputs, write_outputs
+    from regkit.io import read_registration_inputs
+    from regkit.results import write_outputs
 
     fixed, moving = job.inputs["fixed"], job.inputs["moving"]
     assert fixed is not None and moving is not None  # every job has both

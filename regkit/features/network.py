@@ -1,7 +1,7 @@
 """The feature network: a small ConvNeXt-like encoder of WTConv blocks giving L2-normalised dense features.
 
 Tensors are ``(B, C, *spatial)`` with spatial layout ``[y, x]`` or ``[z, y, x]``; the input has one channel (an image
-whose intensities are mapped to about [0, 1], as :func:`regkit.engine.rescale_intensities` does).
+whose intensities are mapped to about [0, 1], as :func:`regkit.intensity.rescale_intensities` does).
 
 Architecture (one table picks the 2D or 3D layers, as in :mod:`regkit.features.wtconv`)::
 

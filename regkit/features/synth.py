@@ -20,7 +20,7 @@ A pair of views (:func:`synthesise_pair`), per sample (the SynthSeg recipe, with
 3. intensities, independently per view (shared with probability ``same_contrast``): a random mean per label (all
    grey-matter parcels sharing one with probability ``merge_parcels``) plus within-label noise, Gaussian blur, a loss
    of resolution (down- then up-sampling along one axis or all), a smooth multiplicative bias field, a random gamma,
-   additive noise; finally :func:`regkit.engine.rescale_intensities`, as registration does.
+   additive noise; finally :func:`regkit.intensity.rescale_intensities`, as registration does.
 
 Voxel indices are (i, j[, k]) and images ``[z, y, x]``, as everywhere in regkit. Random draws come from two
 generators: ``generator`` (CPU) for the per-sample parameters and ``noise_generator`` (on the device) for voxel noise.
@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from regkit.cpab.module import CPAB
-from regkit.engine import rescale_intensities
 from regkit.errors import RegkitError
 from regkit.features.train_config import SynthesisConfig
+from regkit.intensity import rescale_intensities
 from regkit.io import Image, read_image
 from regkit.spatial.filters import gaussian_smooth
 from regkit.spatial.grid import Grid

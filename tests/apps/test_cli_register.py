@@ -14,7 +14,7 @@ import torch
 
 import regkit.engine
 from regkit.io import Image, read_image, write_image
-from regkit.outputs import OUTPUT_FILES
+from regkit.results import OUTPUT_FILES
 from regkit.spatial.grid import Grid
 from tests.apps.cli import run_cli
 

@@ -17,7 +17,7 @@ from napari_regkit._logic import FlowFrame, flow_frame, grid_step, napari_affine
 from napari_regkit._qt._layers import layer_choices, path_or_none, show_layer
 from regkit.errors import ImageDimensionError, RegkitError
 from regkit.io import read_image
-from regkit.outputs import OUTPUT_FILES
+from regkit.results import OUTPUT_FILES
 from regkit.transform import Transformation
 
 if TYPE_CHECKING:

@@ -33,14 +33,14 @@ from napari_regkit._qt._layers import layer_choices, path_or_none, show_layer
 from regkit.config import SIMILARITIES, list_presets
 from regkit.engine import Cancelled, Progress
 from regkit.errors import RegkitError
-from regkit.outputs import write_outputs
+from regkit.results import write_outputs
 
 if TYPE_CHECKING:
     import napari
     from napari.types import LayerData
 
     from regkit.config import RegistrationConfig
-    from regkit.outputs import RegistrationInputs
+    from regkit.io import RegistrationInputs
 
 DEFAULT_PRESET = "default for the image dimension"
 FROM_CONFIG = "from the configuration"
@@ -61,7 +61,7 @@ class RegistrationWidget(Container):
     and Cancel stops the run at the next iteration. When it ends, the layers of
     :func:`~napari_regkit._logic.result_layers` are added (replacing those of an earlier run); the comparison chooser
     shows a checkerboard or a difference of the fixed and warped images, and Save writes the result folder
-    (:func:`regkit.outputs.write_outputs`) that the inspect widget reads. Errors are napari notifications.
+    (:func:`regkit.results.write_outputs`) that the inspect widget reads. Errors are napari notifications.
     """
 
     def __init__(self, napari_viewer: napari.viewer.Viewer) -> None:
@@ -292,7 +292,7 @@ def _register(inputs: RegistrationInputs, config: RegistrationConfig, **kwargs: 
 
 
 def _save(run: RegistrationRun, folder: Path) -> Path | _Failure:
-    """The save worker's body: :func:`regkit.outputs.write_outputs` into ``folder``."""
+    """The save worker's body: :func:`regkit.results.write_outputs` into ``folder``."""
     try:
         write_outputs(run.result, folder, moving_labels=run.moving_labels, overwrite=True)
     except RegkitError as err:

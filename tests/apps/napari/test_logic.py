@@ -38,8 +38,8 @@ from regkit.config import CpabStage, LnccSimilarity, MomentsStage, RegistrationC
 from regkit.cpab.module import CPAB
 from regkit.engine import Cancelled, Progress, RegistrationResult
 from regkit.errors import ConfigError, GeometryError, RegkitError
-from regkit.io import Image
-from regkit.outputs import RegistrationInputs, resample
+from regkit.io import Image, RegistrationInputs
+from regkit.results import resample
 from regkit.spatial.grid import Grid
 from regkit.transform import Transformation
 

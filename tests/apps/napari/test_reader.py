@@ -25,7 +25,7 @@ from regkit.demo import make_pair
 from regkit.errors import GeometryError
 from regkit.io import Image, orientation_code, read_image, write_image
 from regkit.spatial.grid import Grid
-from tests.core.test_io import _write_dicom_series
+from tests.regkit.io.io_helpers import write_dicom_series
 
 FORMATS = (".nii.gz", ".mha", ".nrrd")
 
@@ -178,7 +178,7 @@ def test_reader_opens_a_dicom_folder(tmp_path: Path) -> None:
     itk.SetSpacing(grid.spacing)
     itk.SetOrigin(grid.origin)
     itk.SetDirection(np.asarray(grid.direction).ravel().tolist())
-    _write_dicom_series(tmp_path / "series", itk, "1.2.826.0.1.3680043.2.1125.7.201")
+    write_dicom_series(tmp_path / "series", itk, "1.2.826.0.1.3680043.2.1125.7.201")
     reader = napari_get_reader(str(tmp_path / "series"))
     assert reader is read_layers
     [(data, meta, kind)] = reader(str(tmp_path / "series"))

@@ -29,7 +29,7 @@ from napari_regkit._logic import deformed_grid_lines, grid_step, napari_affine  
 from regkit.config import load_config  # noqa: E402
 from regkit.engine import register  # noqa: E402
 from regkit.io import Image, read_image, write_image  # noqa: E402
-from regkit.outputs import resample, write_outputs  # noqa: E402
+from regkit.results import resample, write_outputs  # noqa: E402
 from regkit.spatial.grid import Grid  # noqa: E402
 from regkit.transform import Transformation  # noqa: E402
 
@@ -250,7 +250,7 @@ def test_errors_are_notifications(make_napari_viewer, qtbot, monkeypatch, tmp_pa
 
 @pytest.fixture
 def saved_result(tmp_path: Path) -> tuple[Path, Image, Path]:
-    """A registration of the 2D pair written with regkit.outputs (as ``regkit register`` writes it), and the moving
+    """A registration of the 2D pair written with regkit.results (as ``regkit register`` writes it), and the moving
     image and its file."""
     fixed, moving, _ = _pair(2)
     config = tmp_path / "quick.yaml"

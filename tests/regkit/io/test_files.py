@@ -1,5 +1,5 @@
-"""regkit.io: reading and writing images with geometry, on real files (nibabel, dipy, nilearn, ITK examples) and on
-files written here in every supported format."""
+"""regkit.io.files: reading and writing images with geometry, on real files (nibabel, dipy, nilearn, ITK examples) and
+on files written here in every supported format."""
 
 from __future__ import annotations
 
@@ -12,60 +12,18 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 import torch
-from nibabel.orientations import apply_orientation, axcodes2ornt, inv_ornt_aff, io_orientation, ornt_transform
 
-from regkit.errors import GeometryError, ImageDimensionError, ImageReadError, ImageValueError
-from regkit.io import (
-    Image,
-    ImageWriteError,
-    describe_image,
-    orientation_code,
-    read_image,
-    read_image_nibabel,
-    reorient,
-    write_image,
-)
+from regkit.errors import GeometryError, ImageDimensionError, ImageReadError, ImageValueError, ImageWriteError
+from regkit.io import Image, describe_image, orientation_code, read_image, read_image_nibabel, write_image
 from regkit.spatial import Grid
 from tests.data import itk_example, nibabel_data
-
-LPS_FROM_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
-
-
-def rotation(angles_deg: tuple[float, float, float]) -> np.ndarray:
-    """Rotation matrix R = Rz Ry Rx for angles about x, y, z in degrees."""
-    ax, ay, az = np.radians(angles_deg)
-    rx = np.array([[1, 0, 0], [0, np.cos(ax), -np.sin(ax)], [0, np.sin(ax), np.cos(ax)]])
-    ry = np.array([[np.cos(ay), 0, np.sin(ay)], [0, 1, 0], [-np.sin(ay), 0, np.cos(ay)]])
-    rz = np.array([[np.cos(az), -np.sin(az), 0], [np.sin(az), np.cos(az), 0], [0, 0, 1]])
-    return rz @ ry @ rx
-
-
-def ras_affine(rot: np.ndarray, zooms: tuple[float, ...], offset: tuple[float, ...]) -> np.ndarray:
-    """4x4 voxel-to-RAS matrix with the given rotation, voxel sizes and translation."""
-    a = np.eye(4)
-    a[:3, :3] = rot @ np.diag(zooms)
-    a[:3, 3] = offset
-    return a
-
-
-def lps_world(image: Image) -> np.ndarray:
-    """LPS world points of all voxel centres, shape (*image.shape, ndim), float64."""
-    return image.grid.world_points(torch.float64).numpy()
-
-
-def nibabel_world(path: Path, affine: np.ndarray | None = None) -> np.ndarray:
-    """World points from a RAS affine (default: nibabel's img.affine), converted to LPS, in [k, j, i] layout."""
-    img = nib.load(path)
-    affine = img.affine if affine is None else affine
-    ijk = np.stack(np.meshgrid(*[np.arange(s) for s in img.shape[:3]], indexing="ij"), axis=-1)
-    ras = ijk @ affine[:3, :3].T + affine[:3, 3]
-    return (ras @ LPS_FROM_RAS[:3, :3].T).transpose(2, 1, 0, 3)
-
-
-def assert_one_line_naming(err: pytest.ExceptionInfo, path: Path) -> None:
-    message = str(err.value)
-    assert "\n" not in message, message
-    assert path.name in message, message
+from tests.regkit.io.io_helpers import (
+    assert_one_line_naming,
+    lps_world,
+    nibabel_world,
+    rotation,
+    write_dicom_series,
+)
 
 
 @pytest.fixture(scope="module")
@@ -82,24 +40,6 @@ def aniso_vox_path() -> Path:
     """dipy's aniso_vox.nii.gz: 4 x 4 x 5 mm voxels, oblique (about 35 degrees), LPS."""
     dipy_data = pytest.importorskip("dipy.data")
     return Path(dipy_data.__file__).parent / "files" / "aniso_vox.nii.gz"
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Image
-
-
-def test_image_checks_shape_and_exposes_geometry() -> None:
-    grid = Grid.create((4, 3, 2), spacing=(0.5, 1.0, 2.0), origin=(1.0, 2.0, 3.0))
-    with pytest.raises(GeometryError, match=r"\(4, 3, 2\).*\(2, 3, 4\)"):
-        Image(torch.zeros(4, 3, 2), grid)
-    image = Image(torch.zeros(2, 3, 4), grid)
-    assert image.ndim == 3 and image.shape == (2, 3, 4)
-    np.testing.assert_array_equal(image.spacing, [0.5, 1.0, 2.0])
-    np.testing.assert_array_equal(image.origin, [1.0, 2.0, 3.0])
-    np.testing.assert_array_equal(image.direction, np.eye(3))
-    index = torch.tensor([[3.0, 2.0, 1.0]], dtype=torch.float64)
-    torch.testing.assert_close(image.index_to_world(index), torch.tensor([[2.5, 4.0, 5.0]], dtype=torch.float64))
-    torch.testing.assert_close(image.world_to_index(image.index_to_world(index)), index)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -134,58 +74,6 @@ def test_ras_mni_template_and_oblique_lps_dipy_volume(mni_path: Path, aniso_vox_
     np.testing.assert_allclose(lps_world(aniso), nibabel_world(aniso_vox_path), atol=1e-3)
 
 
-def _nifti_sources(tmp: Path) -> dict[str, tuple[Path, np.ndarray]]:
-    """NIfTI files with sform/qform combinations, each with the RAS affine ITK must use for it."""
-    data = np.arange(5 * 6 * 7, dtype=np.float32).reshape(5, 6, 7)
-    zooms = (1.5, 2.0, 2.5)
-    s_aff = ras_affine(rotation((10, 20, 30)), zooms, (10.0, -20.0, 30.0))
-    q_aff = ras_affine(rotation((-15, 5, 40)), zooms, (-5.0, 7.0, 9.0))
-    sheared = s_aff.copy()
-    sheared[0, 1] += 0.7
-    cases = {  # name: (sform, sform_code, qform, qform_code, affine ITK uses)
-        "sform_scanner_differs_from_qform": (s_aff, 1, q_aff, 1, s_aff),
-        "sform_aligned_differs_from_qform": (s_aff, 2, q_aff, 1, q_aff),  # nibabel's img.affine would be the sform
-        "qform_only": (s_aff, 0, q_aff, 1, q_aff),
-        "sform_only": (s_aff, 2, q_aff, 0, s_aff),
-        "sheared_sform_with_qform": (sheared, 2, q_aff, 1, q_aff),
-        "no_orientation": (s_aff, 0, q_aff, 0, np.diag([-1.5, -2.0, 2.5, 1.0])),
-    }
-    out = {}
-    for name, (sform, scode, qform, qcode, expected) in cases.items():
-        img = nib.Nifti1Image(data, None)
-        img.set_sform(sform, code=scode)
-        img.set_qform(qform, code=qcode)
-        nib.save(img, tmp / f"{name}.nii.gz")
-        out[name] = (tmp / f"{name}.nii.gz", expected)
-    return out
-
-
-def test_sform_qform_choice_follows_itk(tmp_path: Path) -> None:
-    for name, (path, expected_ras) in _nifti_sources(tmp_path).items():
-        image = read_image(path)
-        itk = sitk.ReadImage(str(path))  # raw SimpleITK, for reference
-        np.testing.assert_allclose(image.origin, itk.GetOrigin(), atol=1e-5, err_msg=name)
-        np.testing.assert_allclose(image.direction.ravel(), itk.GetDirection(), atol=1e-6, err_msg=name)
-        np.testing.assert_allclose(lps_world(image), nibabel_world(path, expected_ras), atol=1e-4, err_msg=name)
-    # Where ITK does not take the sform although sform_code > 0, nibabel's own img.affine disagrees with ITK.
-    path, expected = _nifti_sources(tmp_path)["sform_aligned_differs_from_qform"]
-    assert not np.allclose(nib.load(path).affine, expected, atol=1e-3)
-
-
-def test_sheared_sform_without_qform_is_refused_by_both_readers(tmp_path: Path) -> None:
-    affine = ras_affine(np.eye(3), (1.0, 1.0, 1.0), (0.0, 0.0, 0.0))
-    affine[0, 1] = 0.5
-    img = nib.Nifti1Image(np.zeros((3, 4, 5), np.float32), None)
-    img.set_sform(affine, code=2)
-    img.set_qform(None, code=0)
-    path = tmp_path / "sheared.nii"
-    nib.save(img, path)
-    for reader in (read_image, read_image_nibabel):
-        with pytest.raises(GeometryError, match="shear") as err:
-            reader(path)
-        assert_one_line_naming(err, path)
-
-
 @pytest.mark.parametrize(
     "source",
     ["anatomical.nii", "resampled_anat_moved.nii", "reoriented_anat_moved.nii", "aniso_vox", "mni", "itk_kmeans"],
@@ -204,13 +92,6 @@ def test_simpleitk_and_nibabel_readers_agree(source: str, mni_path: Path, aniso_
     itk_voxels = sitk.GetArrayFromImage(sitk.ReadImage(str(path)))
     finite = np.isfinite(a.data.numpy())
     np.testing.assert_array_equal(a.data.numpy()[finite], itk_voxels[finite])
-
-
-def test_nibabel_reader_agrees_on_sform_qform_cases(tmp_path: Path) -> None:
-    for name, (path, _) in _nifti_sources(tmp_path).items():
-        np.testing.assert_allclose(
-            lps_world(read_image(path)), lps_world(read_image_nibabel(path)), atol=1e-4, err_msg=name
-        )
 
 
 def test_itk_example_2d_slices_mhd_nrrd_and_png_agree() -> None:
@@ -237,125 +118,11 @@ def test_itk_example_2d_slices_mhd_nrrd_and_png_agree() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The same anatomy, whatever the orientation on disk
-
-
-def _landmark_volume() -> tuple[np.ndarray, np.ndarray]:
-    """An asymmetric [i, j, k] int16 volume with one brightest voxel, and its LPS-oriented RAS affine."""
-    rng = np.random.default_rng(7)
-    data = rng.integers(0, 1000, size=(9, 10, 11)).astype(np.int16)
-    data[2, 7, 3] = 5000
-    return data, ras_affine(np.diag([-1.0, -1.0, 1.0]), (0.8, 1.1, 1.7), (40.0, 25.0, -12.0))  # LPS on disk
-
-
-def test_landmark_has_one_world_position_in_lps_ras_las_and_oblique_files(tmp_path: Path) -> None:
-    data, affine = _landmark_volume()
-    ijk = np.array([2, 7, 3, 1.0])
-    landmark_ras = affine @ ijk
-    landmark_lps = (LPS_FROM_RAS @ landmark_ras)[:3]
-    reference = read_image(_save(nib.Nifti1Image(data, affine), tmp_path / "lps.nii.gz"))
-    assert orientation_code(reference.grid) == "LPS"
-    for code in ("RAS", "LAS", "PIR", "SLA"):  # flip/permute the array and update the header, with nibabel
-        transform = ornt_transform(io_orientation(affine), axcodes2ornt(tuple(code)))
-        img = nib.Nifti1Image(apply_orientation(data, transform), affine @ inv_ornt_aff(transform, data.shape))
-        image = read_image(_save(img, tmp_path / f"{code}.nii.gz"))
-        assert orientation_code(image.grid) == code
-        _assert_landmark_at(image, landmark_lps)
-        _assert_same_world_values(image, reference)
-    # Oblique: a rotated grid with the landmark voxel placed where that grid reaches the same world point.
-    oblique = ras_affine(rotation((20, -35, 50)), (0.8, 1.1, 1.7), (0.0, 0.0, 0.0))
-    place = np.array([4, 3, 6, 1.0])
-    oblique[:3, 3] = landmark_ras[:3] - oblique[:3, :3] @ place[:3]
-    volume = np.zeros((9, 10, 11), np.int16)
-    volume[4, 3, 6] = 5000
-    _assert_landmark_at(read_image(_save(nib.Nifti1Image(volume, oblique), tmp_path / "oblique.nii.gz")), landmark_lps)
-    # The same through write_image in MetaImage and NRRD, after reorient().
-    for code, ext in (("RAS", ".mha"), ("LAS", ".nrrd"), ("IPL", ".mhd")):
-        written = read_image(write_image(reorient(reference, code), tmp_path / f"re_{code}{ext}"))
-        assert orientation_code(written.grid) == code
-        _assert_landmark_at(written, landmark_lps)
-
-
-def _save(img: nib.Nifti1Image, path: Path) -> Path:
-    nib.save(img, path)
-    return path
-
-
-def _assert_landmark_at(image: Image, world_lps: np.ndarray) -> None:
-    """The brightest voxel of ``image`` has its centre at ``world_lps``."""
-    kji = np.unravel_index(int(image.data.argmax()), image.shape)
-    world = image.index_to_world(torch.tensor(kji[::-1], dtype=torch.float64)).numpy()
-    np.testing.assert_allclose(world, world_lps, atol=1e-4)
-
-
-def _assert_same_world_values(image: Image, reference: Image) -> None:
-    """Every voxel of ``image`` holds the value ``reference`` has at the same world point (grids of equal voxels)."""
-    index = reference.world_to_index(image.grid.world_points(torch.float64))
-    rounded = index.round()
-    assert (index - rounded).abs().max() < 1e-4  # NIfTI stores the geometry as float32
-    tensor_index = rounded.long().unbind(-1)[::-1]  # (i, j[, k]) -> [k,] j, i
-    torch.testing.assert_close(reference.data[tensor_index], image.data, rtol=0, atol=0)
-
-
-def test_as_closest_canonical_copy_of_anatomical_keeps_every_voxel_in_place(tmp_path: Path) -> None:
-    path = nibabel_data("anatomical.nii")
-    canonical = read_image(_save(nib.as_closest_canonical(nib.load(path)), tmp_path / "canonical.nii"))
-    assert orientation_code(canonical.grid) == "RAS"
-    _assert_same_world_values(canonical, read_image(path))
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# orientation_code and reorient
-
-
-def test_orientation_code_matches_nibabel_for_signed_permutations_and_oblique_directions() -> None:
-    rng = np.random.default_rng(0)
-    directions = []
-    for perm in itertools.permutations(range(3)):
-        for signs in itertools.product((1.0, -1.0), repeat=3):
-            directions.append(np.eye(3)[:, perm] * signs)
-    for _ in range(40):
-        q, _ = np.linalg.qr(rng.normal(size=(3, 3)))
-        directions.append(q)
-    for lps in directions:
-        grid = Grid.create((4, 5, 6), spacing=(1.0, 2.0, 3.0), direction=lps)
-        ras = LPS_FROM_RAS @ grid.affine()
-        assert orientation_code(grid) == "".join(nib.aff2axcodes(ras)), lps
-    assert orientation_code(Grid.create((4, 5))) == "LP"
-    assert orientation_code(Grid.create((4, 5), direction=[[0, -1], [-1, 0]])) == "AR"
-
-
-@pytest.mark.parametrize("oblique", [False, True])
-def test_reorient_moves_voxels_with_the_header(oblique: bool) -> None:
-    rng = np.random.default_rng(1)
-    direction = rotation((12, -25, 33)) if oblique else np.diag([1.0, -1.0, 1.0])
-    grid = Grid.create((5, 6, 7), spacing=(0.7, 1.3, 2.1), origin=(-3.0, 8.0, 11.0), direction=direction)
-    image = Image(torch.from_numpy(rng.normal(size=grid.shape)), grid)
-    for code in ("RAS", "LPS", "IRP", "ASL"):
-        out = reorient(image, code)
-        assert orientation_code(out.grid) == code
-        _assert_same_world_values(out, image)
-        back = reorient(out, orientation_code(grid))
-        torch.testing.assert_close(back.data, image.data, rtol=0, atol=0)
-        np.testing.assert_allclose(lps_world(back), lps_world(image), atol=1e-12)
-    image2d = Image(torch.arange(12.0).reshape(3, 4), Grid.create((4, 3), spacing=(0.5, 2.0), origin=(1.0, 2.0)))
-    for code in ("RA", "AL", "PR"):
-        out = reorient(image2d, code)
-        assert orientation_code(out.grid) == code
-        _assert_same_world_values(out, image2d)
-    for bad in ("RAX", "RRS", "RA", "LPSI"):
-        with pytest.raises(GeometryError, match="orientation code"):
-            reorient(image, bad)
-    with pytest.raises(GeometryError, match="orientation code"):
-        reorient(image2d, "RS")
-
-
-# ----------------------------------------------------------------------------------------------------------------------
 # Round trips
 
 
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32, torch.float64]
-# Largest direction/spacing/origin error of each format for arbitrary float64 geometry (see regkit.io's docstring).
+# Largest direction/spacing/origin error of each format for arbitrary float64 geometry (see regkit.io.files' docstring).
 GEOMETRY_ATOL = {".nii": 1e-6, ".nii.gz": 1e-6, ".mha": 0.0, ".mhd": 0.0, ".nrrd": 1e-15, ".nhdr": 1e-15}
 
 
@@ -469,39 +236,13 @@ def test_unsigned_types_are_widened_and_bool_half_are_written_as_uint8_float32(t
 # DICOM series
 
 
-def _write_dicom_series(folder: Path, image: sitk.Image, series_uid: str) -> None:
-    """Write a 3D int16 image as one DICOM file per slice, with the position/orientation tags a series needs."""
-    folder.mkdir(exist_ok=True)
-    direction = np.array(image.GetDirection()).reshape(3, 3)
-    orientation = "\\".join(f"{v:.12g}" for v in (*direction[:, 0], *direction[:, 1]))
-    writer = sitk.ImageFileWriter()
-    writer.KeepOriginalImageUIDOn()
-    for k in range(image.GetDepth()):
-        slice_k = image[:, :, k]
-        position = "\\".join(f"{v:.12g}" for v in image.TransformIndexToPhysicalPoint((0, 0, k)))
-        tags = {
-            "0008|0060": "MR",
-            "0020|000d": "1.2.826.0.1.3680043.2.1125.7",
-            "0020|000e": series_uid,
-            "0008|0018": f"{series_uid}.{k + 1}",
-            "0020|0013": str(k + 1),
-            "0020|0032": position,
-            "0020|0037": orientation,
-            "0018|0050": f"{image.GetSpacing()[2]:.12g}",
-        }
-        for tag, value in tags.items():
-            slice_k.SetMetaData(tag, value)
-        writer.SetFileName(str(folder / f"{series_uid[-3:]}_{k:03d}.dcm"))
-        writer.Execute(slice_k)
-
-
 def test_dicom_series_folder_is_read_with_its_geometry(tmp_path: Path) -> None:
     voxels = (np.arange(4 * 5 * 6).reshape(4, 5, 6) * 7 - 50).astype(np.int16)
     itk = sitk.GetImageFromArray(voxels)
     itk.SetDirection(rotation((10, -20, 30)).ravel().tolist())
     itk.SetSpacing((0.8, 0.9, 2.5))
     itk.SetOrigin((-10.5, 20.25, 33.0))
-    _write_dicom_series(tmp_path / "series", itk, "1.2.826.0.1.3680043.2.1125.7.101")
+    write_dicom_series(tmp_path / "series", itk, "1.2.826.0.1.3680043.2.1125.7.101")
     image = read_image(tmp_path / "series")
     assert image.data.dtype == torch.int16
     np.testing.assert_array_equal(image.data.numpy(), voxels)
@@ -509,7 +250,7 @@ def test_dicom_series_folder_is_read_with_its_geometry(tmp_path: Path) -> None:
     np.testing.assert_allclose(image.origin, itk.GetOrigin(), atol=1e-8)
     np.testing.assert_allclose(image.direction.ravel(), itk.GetDirection(), atol=1e-9)
     # A second series in the same folder: the first one is read, with a warning.
-    _write_dicom_series(tmp_path / "series", itk[:, :, :2], "1.2.826.0.1.3680043.2.1125.7.102")
+    write_dicom_series(tmp_path / "series", itk[:, :, :2], "1.2.826.0.1.3680043.2.1125.7.102")
     with pytest.warns(UserWarning, match="2 DICOM series"):
         read_image(tmp_path / "series")
 
@@ -701,26 +442,6 @@ def test_writer_failing_midway_leaves_no_partial_file(tmp_path: Path, monkeypatc
         write_image(Image(image.data * 2, image.grid), tmp_path / name)
     assert_one_line_naming(err, tmp_path / name)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # old file intact, no temporaries
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# describe_image
-
-
-def test_describe_image_of_anatomical_nii() -> None:
-    info = describe_image(read_image(nibabel_data("anatomical.nii")))
-    assert info == {
-        "size": "33 x 41 x 25 (x, y, z); tensor [z, y, x]",
-        "spacing": "2 x 2 x 2 mm",
-        "origin": "(-32, 40, -16) mm LPS",
-        "direction": "i (1, 0, 0), j (0, -1, 0), k (0, 0, 1)",
-        "orientation": "LAS (i to Left, j to Anterior, k to Superior)",
-        "dtype": "int16",
-        "range": "-610 .. 30393",
-    }
-    oblique = describe_image(read_image(itk_example("BrainProtonDensitySliceBorder20DirectionPlus30.mhd")))
-    assert oblique["direction"] == "i (0.866025, 0.5), j (-0.5, 0.866025); oblique by up to 30.00 deg"
-    assert oblique["orientation"] == "LP (i to Left, j to Posterior)"
 
 
 def test_data_file_is_moved_into_place_before_its_header(tmp_path: Path, monkeypatch) -> None:

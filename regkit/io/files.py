@@ -1,9 +1,10 @@
-"""Images with geometry: reading and writing NIfTI, MetaImage, NRRD, PNG and DICOM series.
+"""Image files: reading and writing NIfTI, MetaImage, NRRD, PNG and DICOM series, with their geometry.
 
 Conventions (those of ITK, see :mod:`regkit.spatial.grid`):
 
-* An :class:`Image` is a tensor in ``[z, y, x]`` (3D) or ``[y, x]`` (2D) layout plus a :class:`~regkit.spatial.Grid`:
-  ``world = origin + direction @ (spacing * index)`` with index (i, j[, k]) and world points in LPS millimetres.
+* An :class:`~regkit.io.image.Image` is a tensor in ``[z, y, x]`` (3D) or ``[y, x]`` (2D) layout plus a
+  :class:`~regkit.spatial.Grid`: ``world = origin + direction @ (spacing * index)`` with index (i, j[, k]) and world
+  points in LPS millimetres.
 * Orientation lives in the header only. Arrays are never flipped or transposed to "fix" orientation; the one layout
   change made is the transpose of nibabel's ``[i, j, k]`` arrays (NIfTI voxels) to ``[k, j, i]``.
 * Voxel types are kept where torch has them (uint8, int8, int16, int32, int64, float32, float64); uint16 becomes int32,
@@ -28,14 +29,12 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
-import math
 import os
 import shutil
 import tempfile
 import warnings
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -45,29 +44,20 @@ import torch
 
 from regkit.errors import (
     GeometryError,
-    ImageDimensionError,
     ImageReadError,
     ImageValueError,
     ImageWriteError,
     RegkitError,
 )
+from regkit.io.image import Image
+from regkit.io.orientation import NO_NIFTI_ORIENTATION, grid_from_header, itk_nifti_affine
 from regkit.spatial.grid import Grid
 
 if TYPE_CHECKING:
     from nibabel.arrayproxy import ArrayProxy
     from nibabel.nifti1 import Nifti1Header
 
-__all__ = [
-    "SUPPORTED_EXTENSIONS",
-    "Image",
-    "ImageWriteError",
-    "describe_image",
-    "orientation_code",
-    "read_image",
-    "read_image_nibabel",
-    "reorient",
-    "write_image",
-]
+__all__ = ["SUPPORTED_EXTENSIONS", "format_of", "read_image", "read_image_nibabel", "write_image"]
 
 
 # Extension -> format name; the longest matching suffix wins (".nii.gz" before ".gz").
@@ -85,63 +75,6 @@ SUPPORTED_EXTENSIONS: tuple[str, ...] = tuple(_FORMATS)
 # numpy voxel types kept as they are, and those widened to a signed type that holds all their values.
 _KEPT_DTYPES = {np.dtype(t) for t in (np.uint8, np.int8, np.int16, np.int32, np.int64, np.float32, np.float64)}
 _WIDENED_DTYPES = {np.dtype(np.uint16): np.int32, np.dtype(np.uint32): np.int64, np.dtype(np.uint64): np.int64}
-
-# Anatomical letter of the + and - direction of each LPS world axis.
-_AXIS_LETTERS = (("L", "R"), ("P", "A"), ("S", "I"))
-_ANATOMY = {"L": "Left", "R": "Right", "P": "Posterior", "A": "Anterior", "S": "Superior", "I": "Inferior"}
-
-
-@dataclass(frozen=True, eq=False)
-class Image:
-    """A scalar image with its geometry.
-
-    ``data`` is a ``[z, y, x]`` (3D) or ``[y, x]`` (2D) tensor, ``grid`` the geometry (size in (x, y[, z]) order,
-    spacing, origin, direction; LPS millimetres, ITK conventions). ``data.shape`` must equal ``grid.shape``. Images
-    are not compared with ``==``: compare ``data`` (``torch.equal``) and ``grid``.
-    """
-
-    data: torch.Tensor
-    grid: Grid
-
-    def __post_init__(self) -> None:
-        if tuple(self.data.shape) != self.grid.shape:
-            raise GeometryError(
-                f"image data of shape {tuple(self.data.shape)} does not match its grid: size {self.grid.size} "
-                f"needs a tensor of shape {self.grid.shape} ([z, y, x] = size reversed)"
-            )
-
-    @property
-    def ndim(self) -> int:
-        """Number of spatial dimensions (2 or 3)."""
-        return self.grid.ndim
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Tensor shape, ``[z, y, x]`` or ``[y, x]``."""
-        return self.grid.shape
-
-    @property
-    def spacing(self) -> np.ndarray:
-        """Voxel spacing in millimetres, (x, y[, z]) order."""
-        return np.asarray(self.grid.spacing)
-
-    @property
-    def origin(self) -> np.ndarray:
-        """LPS world position of the centre of voxel index 0, in millimetres."""
-        return np.asarray(self.grid.origin)
-
-    @property
-    def direction(self) -> np.ndarray:
-        """``ndim x ndim`` matrix whose columns are the LPS directions of the index axes i, j[, k]."""
-        return np.asarray(self.grid.direction)
-
-    def index_to_world(self, index: torch.Tensor) -> torch.Tensor:
-        """Map continuous indices ``(..., ndim)`` in (i, j[, k]) order to LPS world points (see :class:`Grid`)."""
-        return self.grid.index_to_world(index)
-
-    def world_to_index(self, world: torch.Tensor) -> torch.Tensor:
-        """Map LPS world points ``(..., ndim)`` to continuous indices in (i, j[, k]) order (see :class:`Grid`)."""
-        return self.grid.world_to_index(world)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -176,7 +109,7 @@ def read_image(path: str | os.PathLike, *, ndim: int | None = None, check_finite
     path = Path(path)
     if path.is_dir():
         itk_image = _read_dicom_series(path)
-        grid = _grid_from_header(
+        grid = grid_from_header(
             path,
             itk_image.GetSize(),
             itk_image.GetSpacing(),
@@ -196,13 +129,13 @@ def read_image(path: str | os.PathLike, *, ndim: int | None = None, check_finite
             reader.ReadImageInformation()
         except RuntimeError as err:
             if fmt == "NIfTI" and "orthonormal" in str(err):
-                raise GeometryError(_NO_NIFTI_ORIENTATION.format(path=path)) from err
+                raise GeometryError(NO_NIFTI_ORIENTATION.format(path=path)) from err
             raise ImageReadError(f"cannot read {path}: not a valid {fmt} file (corrupt or truncated header)") from err
         components = reader.GetNumberOfComponents()
         gray = _gray_png(reader, path) if fmt == "PNG" and components > 1 else None
         # The geometry is checked from the header before the voxels are read: ITK refuses some of it (zero spacing,
         # singular directions) only while reading, with a multi-line message.
-        grid = _grid_from_header(
+        grid = grid_from_header(
             path,
             reader.GetSize(),
             reader.GetSpacing(),
@@ -253,21 +186,15 @@ def read_image_nibabel(path: str | os.PathLike) -> Image:
     header, array = _read_nifti(path)
     n = array.ndim
     spatial = min(n, 3)
-    lps = np.diag([-1.0, -1.0, 1.0, 1.0]) @ _itk_nifti_affine(header, path)
+    lps = np.diag([-1.0, -1.0, 1.0, 1.0]) @ itk_nifti_affine(header, path)
     columns = lps[:spatial, :spatial]
     direction = np.eye(max(n, 2))
     direction[:spatial, :spatial] = columns / np.linalg.norm(columns, axis=0)
     origin = np.zeros(max(n, 2))
     origin[:spatial] = lps[:spatial, 3]
     size = array.shape[::-1]
-    grid = _grid_from_header(path, size, header["pixdim"][1 : n + 1], origin, direction.ravel(), 1, None)
+    grid = grid_from_header(path, size, header["pixdim"][1 : n + 1], origin, direction.ravel(), 1, None)
     return Image(_to_tensor(array.reshape(grid.shape), path), grid)
-
-
-_NO_NIFTI_ORIENTATION = (
-    "{path}: the sform has shear or non-uniform scaling and there is no qform; ITK (and regkit) need a rotation and "
-    "spacing (set a qform, e.g. with nibabel's img.set_qform(affine, code=1))"
-)
 
 
 def _read_nifti(path: Path) -> tuple[Nifti1Header, np.ndarray]:
@@ -378,93 +305,6 @@ def _read_dicom_series(folder: Path) -> sitk.Image:
         raise ImageReadError(f"cannot read the DICOM series {series[0]} in {folder}: corrupt or incomplete") from err
 
 
-def _grid_from_header(
-    path: Path,
-    size: tuple[int, ...],
-    spacing: tuple[float, ...] | np.ndarray,
-    origin: tuple[float, ...] | np.ndarray,
-    direction: tuple[float, ...] | np.ndarray,
-    components: int,
-    ndim: int | None,
-) -> Grid:
-    """The 2D/3D grid of an image header with ``len(size)`` axes, dropping trailing axes of size 1 as allowed.
-
-    Raises ImageDimensionError if the image does not reduce to ``ndim`` (2 or 3 when None) axes or is a vector image,
-    and GeometryError (naming ``path``) for invalid geometry.
-    """
-    size = tuple(int(s) for s in size)
-    n = len(size)
-    dims = "x".join(map(str, size))
-    if components != 1:
-        raise ImageDimensionError(
-            f"{path} has {components} components per voxel (a vector, complex or RGB image of size {dims}); regkit "
-            f"needs a scalar image: extract one component, e.g. "
-            f"`SimpleITK.VectorIndexSelectionCast(SimpleITK.ReadImage('{path.name}'), 0)`, or convert RGB to gray"
-        )
-    target = ndim or min(max(n, 2), 3)
-    keep = n
-    while keep > target and size[keep - 1] == 1:
-        keep -= 1
-    if keep > target:
-        what = "volume" if target == 3 else "image"
-        index = ", ".join([":"] * target + ["0"] * (n - target))
-        hint = f"`SimpleITK.ReadImage('{path.name}')[{index}]`"
-        if n == 4 and target == 3 and path.name.lower().endswith((".nii", ".nii.gz")):
-            hint = f"`fslroi {path.name} vol0.nii.gz 0 1` (FSL) or {hint}"
-        raise ImageDimensionError(
-            f"{path} has {n} dimensions ({dims}); regkit needs a {target}D {what} here: pick one index along axis "
-            f"{target + 1} (of {size[target]}), e.g. {hint}"
-        )
-    if keep < target:
-        raise ImageDimensionError(f"{path} is a {keep}D image ({dims}); a {target}D volume is expected here")
-    d = np.asarray(direction, dtype=np.float64).reshape(n, n)
-    if keep < n and max(np.abs(d[:keep, keep:]).max(), np.abs(d[keep:, :keep]).max()) > 1e-6:
-        raise ImageDimensionError(
-            f"{path} ({dims}) cannot be read as {keep}D: its axes of size 1 are oblique to the world axes that would "
-            f"be dropped; read it with ndim={n}"
-        )
-    try:
-        return Grid.create(size[:keep], tuple(spacing)[:keep], tuple(origin)[:keep], d[:keep, :keep])
-    except GeometryError as err:
-        raise GeometryError(f"{path}: {err}") from err
-
-
-def _itk_nifti_affine(header: Nifti1Header, path: Path) -> np.ndarray:
-    """4x4 voxel-to-RAS matrix that ITK 5.4 uses for a NIfTI header (rule in :func:`read_image_nibabel`)."""
-    scode, qcode = int(header["sform_code"]), int(header["qform_code"])
-    zooms = np.abs(np.asarray(header["pixdim"][1:4], dtype=np.float64))
-    zooms[zooms == 0] = 1.0
-    if scode == 0 and qcode == 0:
-        return np.diag([-zooms[0], -zooms[1], zooms[2], 1.0])
-    # As nifti1_io fills them: an unset sform is all zeros, an unset qform is diag(pixdim); float32 as ITK holds them.
-    sform = header.get_sform(coded=False).astype(np.float32) if scode else np.zeros((4, 4), np.float32)
-    qform = header.get_qform(coded=False).astype(np.float32) if qcode else np.diag([*zooms, 1.0]).astype(np.float32)
-    use_sform = bool(
-        np.abs(sform[:3, :3] - qform[:3, :3]).max() <= 1e-5
-        and np.abs(sform[:, 3] - qform[:, 3]).sum() <= 1e-7
-        and np.abs(sform[3] - qform[3]).sum() <= 1e-7
-    )
-    if scode:
-        linear = sform[:3, :3].astype(np.float64)
-        norms = np.linalg.norm(linear, axis=0)
-        rotation = linear / np.where(norms > 0, norms, 1.0)
-        no_shear = (
-            np.array_equal(sform[3], [0, 0, 0, 1])
-            and abs(np.linalg.det(linear)) > 0
-            and np.abs(rotation @ rotation.T - np.eye(3)).max() <= 1e-4
-        )
-        if no_shear:
-            if qcode == 0 or scode == 1:
-                use_sform = True
-            else:
-                use_sform = bool(np.abs(sform - qform).max() <= 1e-4)
-    if use_sform:
-        return sform.astype(np.float64)
-    if qcode:
-        return header.get_qform(coded=False)
-    raise GeometryError(_NO_NIFTI_ORIENTATION.format(path=path))
-
-
 def _to_tensor(array: np.ndarray, path: Path) -> torch.Tensor:
     """A CPU tensor of ``array`` in native byte order; uint16 -> int32, uint32/uint64 -> int64 (values kept)."""
     array = array.astype(array.dtype.newbyteorder("="), copy=False)
@@ -565,127 +405,3 @@ def _png_voxels(array: np.ndarray, grid: Grid, path: Path) -> np.ndarray:
             stacklevel=4,
         )
     return array
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Orientation
-
-
-def _axis_map(direction: np.ndarray) -> list[tuple[int, int]]:
-    """For each index axis, the closest world axis and the sign (+1/-1) of the direction along it.
-
-    Axes are assigned from the most to the least clearly aligned column, each world axis once (nibabel's
-    ``io_orientation`` rule), so oblique directions get a valid permutation.
-    """
-    remaining = np.array(direction, dtype=np.float64)
-    order = np.argsort(-np.max(remaining**2, axis=0), kind="stable")
-    result: list[tuple[int, int]] = [(0, 0)] * remaining.shape[1]
-    for col in order:
-        row = int(np.argmax(np.abs(remaining[:, col])))
-        result[col] = (row, 1 if remaining[row, col] > 0 else -1)
-        remaining[row, :] = 0.0
-    return result
-
-
-def orientation_code(grid: Grid) -> str:
-    """nibabel-style axis code: the anatomical direction toward which index axes i, j[, k] point (e.g. "RAS").
-
-    Letters: L/R, P/A, S/I for the world x, y, z axes; e.g. "LAS" means i runs toward the patient's Left, j toward
-    Anterior and k toward Superior. The LPS identity direction is "LPS". For oblique directions each axis gets its
-    closest world axis (nibabel's ``aff2axcodes``). 2D grids get two letters from L/R and P/A.
-
-    This is the convention of nibabel, FreeSurfer and ITK >= 5.4's ``AnatomicalOrientation`` "positive" codes. ITK's
-    older ``SpatialOrientation`` names (``ITK_COORDINATE_ORIENTATION_RAI`` ...) and ``orientation`` in
-    ``DICOMOrient`` use the opposite letters: they name where each axis comes *from*, so our "LPS" is ITK's "RAI".
-    """
-    return "".join(_AXIS_LETTERS[axis][0 if sign > 0 else 1] for axis, sign in _axis_map(np.asarray(grid.direction)))
-
-
-def reorient(image: Image, code: str) -> Image:
-    """The same image with its index axes permuted and flipped so that :func:`orientation_code` gives ``code``.
-
-    Voxels move together with the header: the LPS world position of every voxel centre, and its value, are
-    unchanged (only the tensor layout, spacing order, origin corner and direction columns change). For oblique
-    images the result's axes point toward the requested directions as closely as the image's own axes allow.
-    """
-    n = image.ndim
-    code = code.upper()
-    letters = {
-        letter: (axis, sign)
-        for axis, pair in enumerate(_AXIS_LETTERS[:n])
-        for letter, sign in zip(pair, (1, -1), strict=True)
-    }
-    if len(code) != n or any(c not in letters for c in code) or len({letters[c][0] for c in code}) != n:
-        valid = ", ".join("/".join(pair) for pair in _AXIS_LETTERS[:n])
-        raise GeometryError(
-            f"invalid orientation code {code!r} for a {n}D image: give one letter per axis, one from each of {valid}"
-        )
-    current = _axis_map(image.direction)
-    source = [[axis for axis, _ in current].index(letters[c][0]) for c in code]
-    flips = [current[a][1] != letters[c][1] for a, c in zip(source, code, strict=True)]
-    grid = image.grid
-    # Tensor dim of index axis a is n - 1 - a.
-    data = image.data.permute([n - 1 - source[t] for t in reversed(range(n))])
-    flip_dims = [n - 1 - t for t in range(n) if flips[t]]
-    if flip_dims:
-        data = data.flip(flip_dims)
-    corner = torch.zeros(n, dtype=torch.float64)
-    for t, a in enumerate(source):
-        if flips[t]:
-            corner[a] = grid.size[a] - 1
-    direction = np.asarray(grid.direction)[:, source] * np.where(flips, -1.0, 1.0)
-    new_grid = Grid.create(
-        [grid.size[a] for a in source],
-        [grid.spacing[a] for a in source],
-        grid.index_to_world(corner).tolist(),
-        direction,
-    )
-    return Image(data.contiguous(), new_grid)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Description
-
-
-def _num(value: float) -> str:
-    """Compact number: 6 significant digits, no "-0"."""
-    text = f"{float(value):.6g}"
-    return "0" if text == "-0" else text
-
-
-def describe_image(img: Image) -> dict[str, str]:
-    """One-line strings describing ``img`` (size, spacing, origin, direction, orientation, dtype, range).
-
-    ``direction`` lists the LPS unit vector of each index axis and, for oblique images, the largest angle between an
-    index axis and its closest world axis. ``range`` is over finite values, with the NaN/Inf counts when there are any.
-    """
-    grid = img.grid
-    code = orientation_code(grid)
-    axes = "xyz"[: img.ndim]
-    direction = np.asarray(grid.direction)
-    columns = ", ".join(f"{'ijk'[c]} ({', '.join(_num(v) for v in direction[:, c])})" for c in range(img.ndim))
-    tilt = math.degrees(math.acos(min(1.0, float(np.abs(direction).max(axis=0).min()))))
-    if tilt > 1e-3:
-        columns += f"; oblique by up to {tilt:.2f} deg"
-    pointing = ", ".join(f"{axis} to {_ANATOMY[c]}" for axis, c in zip("ijk"[: img.ndim], code, strict=True))
-    return {
-        "size": f"{' x '.join(map(str, grid.size))} ({', '.join(axes)}); tensor [{', '.join(reversed(axes))}]",
-        "spacing": f"{' x '.join(_num(s) for s in grid.spacing)} mm",
-        "origin": f"({', '.join(_num(o) for o in grid.origin)}) mm LPS",
-        "direction": columns,
-        "orientation": f"{code} ({pointing})",
-        "dtype": str(img.data.dtype).removeprefix("torch."),
-        "range": _value_range(img.data),
-    }
-
-
-def _value_range(data: torch.Tensor) -> str:
-    """``"min .. max"`` over finite values, plus the NaN/Inf counts if any."""
-    if not data.is_floating_point():
-        return f"{int(data.min())} .. {int(data.max())}"
-    finite = torch.isfinite(data)
-    nan = int(torch.isnan(data).sum())
-    inf = data.numel() - int(finite.sum()) - nan
-    values = data[finite]
-    text = f"{_num(values.min().item())} .. {_num(values.max().item())}" if values.numel() else "no finite values"
-    return text + (f" ({nan} NaN, {inf} Inf)" if nan or inf else "")

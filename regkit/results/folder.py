@@ -1,0 +1,261 @@
+"""The output folder of a registration: one stable naming scheme (:data:`OUTPUT_FILES`), written atomically.
+
+:func:`write_outputs` writes a :class:`~regkit.engine.RegistrationResult` into a folder. The names never change with
+options; the optional files (their ``config.outputs`` flag in brackets, :class:`~regkit.config.OutputsConfig`) are
+written when their flag is true:
+
+* ``warped.nii.gz``: the moving image resampled onto the fixed grid (linear, float) [``warped``];
+* ``warped_labels.nii.gz``: the moving label map resampled onto the fixed grid (nearest, integer type kept) [when
+  moving labels are given];
+* ``displacement.nii.gz``: the pull-back displacement of the whole transformation on the fixed grid, ITK convention
+  (:mod:`regkit.io.transforms`) [``displacement``];
+* ``inverse_displacement.nii.gz``: the displacement of the inverse transformation on the MOVING grid
+  [``inverse_displacement``];
+* ``affine.mat``: the ITK affine transform of the linear stages (moments, rigid, affine);
+* ``transform.h5``: one ITK composite transform, the affine and the CPAB displacement field, equivalent to
+  ``displacement.nii.gz`` [``transform_h5``];
+* ``transform.json``: the exact transformation (:meth:`~regkit.transform.Transformation.save`);
+* ``jacobian.nii.gz``: the analytic Jacobian determinant on the fixed grid, float32 [``jacobian``];
+* ``metrics.json``: similarity before/after, Dice/HD95, folds, SDlogJ, runtime, memory, ...
+  (:mod:`regkit.results.metrics`);
+* ``config.yaml``: the resolved configuration (:func:`~regkit.config.dump_config`);
+* ``qc.png``: the quality-control picture of :func:`~regkit.results.qc.qc_picture` [``qc_png``].
+
+Atomicity: everything is written into a temporary folder beside the output folder, which is renamed into place only
+when complete; an existing folder is replaced (with ``overwrite``) only after the new one is complete, and only if it is
+empty or a regkit output folder (holds ``transform.json``). On any error, or Ctrl-C, the temporary folder is removed, so
+no half-written output ever exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from regkit.config import dump_config
+from regkit.errors import ImageDimensionError, RegkitError
+from regkit.io.files import write_image
+from regkit.io.image import Image
+from regkit.io.inputs import as_label_map
+from regkit.io.transforms import write_displacement, write_transform_h5
+from regkit.png import write_png
+from regkit.results.metrics import label_scores, measure_peak_memory, metrics_record
+from regkit.results.qc import qc_picture
+from regkit.results.resampling import sample_world
+from regkit.spatial.affine import grid_centre, write_itk_affine
+from regkit.spatial.grid import Grid
+from regkit.spatial.metrics import jacobian_determinant
+
+if TYPE_CHECKING:
+    from regkit.engine import RegistrationResult
+
+__all__ = ["OUTPUT_FILES", "OutputExistsError", "check_output_dir", "read_moving_grid", "write_outputs"]
+
+OUTPUT_FILES: dict[str, str] = {
+    "warped": "warped.nii.gz",
+    "warped_labels": "warped_labels.nii.gz",
+    "displacement": "displacement.nii.gz",
+    "inverse_displacement": "inverse_displacement.nii.gz",
+    "affine": "affine.mat",
+    "transform_h5": "transform.h5",
+    "transform": "transform.json",
+    "jacobian": "jacobian.nii.gz",
+    "metrics": "metrics.json",
+    "config": "config.yaml",
+    "qc": "qc.png",
+}
+"""Output key -> file name inside the output folder (fixed; never depends on options)."""
+
+_WRITERS = 4  # threads writing image files while the next outputs are computed
+
+
+class OutputExistsError(RegkitError):
+    """The output folder exists and overwriting was not asked for."""
+
+
+def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+    """The output folder as an absolute, normalised Path, after checking that it may be written.
+
+    Raises :class:`OutputExistsError` if it exists and ``overwrite`` is False, or if ``overwrite`` would replace a
+    non-empty folder that is not a regkit output (no ``transform.json``), and :class:`RegkitError` if it is a file.
+    """
+    out = Path(os.path.abspath(out_dir))
+    if out.exists() and not out.is_dir():
+        raise RegkitError(f"output {out_dir} exists and is not a folder; choose another -o")
+    if out.exists() and not overwrite:
+        raise OutputExistsError(f"output folder {out_dir} exists; use --overwrite to replace it, or choose another -o")
+    if out.exists() and any(out.iterdir()) and not (out / OUTPUT_FILES["transform"]).is_file():
+        raise OutputExistsError(
+            f"output folder {out_dir} is not empty and holds no {OUTPUT_FILES['transform']}: not a regkit output "
+            "folder, so --overwrite does not replace it; choose another -o"
+        )
+    return out
+
+
+def read_moving_grid(result_dir: str | os.PathLike) -> Grid:
+    """The moving image's grid recorded in ``RESULT_DIR/metrics.json`` by :func:`write_outputs`."""
+    path = Path(result_dir) / OUTPUT_FILES["metrics"]
+    try:
+        g = json.loads(path.read_text())["images"]["moving"]
+        return Grid.create(g["size"], g["spacing"], g["origin"], g["direction"])
+    except FileNotFoundError:
+        raise RegkitError(f"{path}: no such file (give the moving image's grid with --reference)") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise RegkitError(f"{path}: no moving grid recorded ({type(err).__name__}: {err})") from err
+
+
+def write_outputs(
+    result: RegistrationResult,
+    out_dir: str | os.PathLike,
+    *,
+    moving_labels: Image | None = None,
+    fixed_labels: Image | None = None,
+    overwrite: bool = False,
+) -> dict[str, Path]:
+    """Write a registration's outputs into ``out_dir`` (module docstring: names, conventions, atomicity).
+
+    Args:
+        result: the outcome of :func:`regkit.engine.register`.
+        out_dir: the output folder; its parent folders are created. It must not exist unless ``overwrite``.
+        moving_labels: optional label map in the moving image's world space (any grid); warped with nearest
+            interpolation into ``warped_labels.nii.gz``.
+        fixed_labels: optional label map of the fixed image (resampled onto the fixed grid, nearest, if its grid
+            differs); with ``moving_labels``, Dice and HD95 go into ``metrics.json``.
+        overwrite: replace an existing ``out_dir`` (only once the new outputs are complete).
+
+    Returns:
+        Output key (:data:`OUTPUT_FILES`) -> path of every file written.
+
+    Raises:
+        OutputExistsError: ``out_dir`` exists and ``overwrite`` is False.
+        ImageValueError: a label map holds non-integer values.
+        ImageDimensionError: a label map's dimension differs from the images'.
+    """
+    start = time.perf_counter()
+    peak_memory = measure_peak_memory(result)  # before writing: the registration's peak, not the writer's
+    out = check_output_dir(out_dir, overwrite)
+    ndim = result.fixed.ndim
+    labels = {}
+    for name, image in (("moving labels", moving_labels), ("fixed labels", fixed_labels)):
+        if image is not None:
+            if image.ndim != ndim:
+                raise ImageDimensionError(f"the {name} are {image.ndim}D but the images are {ndim}D")
+            labels[name] = as_label_map(image, f"the {name}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        # image files are written by threads while the next outputs are computed (compressing a 1 mm brain's fields
+        # takes seconds each; SimpleITK releases the GIL while it writes); the pool waits for them before closing
+        with ThreadPoolExecutor(max_workers=_WRITERS) as pool:
+            moving, fixed = labels.get("moving labels"), labels.get("fixed labels")
+            written = _write_all(pool, result, tmp, moving, fixed, start, peak_memory)
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {key: out / path.name for key, path in written.items()}
+
+
+def _write_all(
+    pool: ThreadPoolExecutor,
+    result: RegistrationResult,
+    folder: Path,
+    moving_labels: Image | None,
+    fixed_labels: Image | None,
+    start: float,
+    peak_memory: dict[str, Any],
+) -> dict[str, Path]:
+    """Compute every output and write it into ``folder`` (image files through ``pool``); returns key -> path once
+    every write has finished (a failed write raises)."""
+    transform, fixed_grid = result.transform, result.fixed.grid
+    flags = result.config.outputs
+    device = result.device
+    paths = {key: folder / name for key, name in OUTPUT_FILES.items()}
+    written: dict[str, Path] = {}
+    pending: dict[str, Future] = {}
+
+    def done(key: str) -> None:
+        written[key] = paths[key]
+
+    def in_background(key: str, write: Callable[..., object], *args: object) -> None:
+        pending[key] = pool.submit(write, *args, paths[key])
+
+    # One evaluation of the transformation serves the warped images, the displacement and the CPAB-only field.
+    world = fixed_grid.world_points(torch.float64, device)
+    mapped = transform.transform_world(world)
+    warped = Image(sample_world(result.moving, mapped), fixed_grid)
+    if flags.warped:
+        in_background("warped", write_image, warped)
+    label_metrics = None
+    if moving_labels is not None:
+        warped_labels = Image(sample_world(moving_labels, mapped, "nearest"), fixed_grid)
+        in_background("warped_labels", write_image, warped_labels)
+        if fixed_labels is not None:
+            if fixed_labels.grid != fixed_grid:
+                fixed_labels = Image(sample_world(fixed_labels, world, "nearest"), fixed_grid)
+            unmoved_labels = sample_world(moving_labels, world, "nearest")
+            label_metrics = label_scores(
+                fixed_labels, moving_labels, unmoved_labels, warped_labels.data, fixed_grid.spacing
+            )
+
+    displacement = (mapped - world).float().cpu()
+    if flags.displacement:
+        in_background("displacement", write_displacement, displacement, fixed_grid)
+    if flags.inverse_displacement:
+        inverse = transform.inverse_displacement(result.moving.grid, device=device).cpu()
+        in_background("inverse_displacement", write_displacement, inverse, result.moving.grid)
+    write_itk_affine(paths["affine"], transform.matrix, grid_centre(fixed_grid))
+    done("affine")
+    if flags.transform_h5:
+        n = fixed_grid.ndim
+        inverse_matrix = torch.as_tensor(np.linalg.inv(transform.matrix), device=mapped.device)
+        cpab_points = mapped @ inverse_matrix[:n, :n].T + inverse_matrix[:n, n]  # phi(x) = M^-1 y
+        in_background("transform_h5", write_transform_h5, transform, (cpab_points - world).cpu())
+    transform.save(paths["transform"])
+    done("transform")
+    det = transform.jacobian_determinant(device=device).cpu()
+    if flags.jacobian:
+        in_background("jacobian", write_image, Image(det, fixed_grid))
+    det_fd = jacobian_determinant(displacement, fixed_grid)
+    if flags.qc_png:
+        picture = qc_picture(result.fixed.data, warped.data, displacement, det, (det_fd <= 0) | (det <= 0), fixed_grid)
+        write_png(picture, paths["qc"])
+        done("qc")
+    paths["config"].write_text(dump_config(result.config))
+    done("config")
+
+    metrics = metrics_record(result, world, mapped, label_metrics, det_fd, det, peak_memory)
+    for key, future in pending.items():
+        future.result()  # re-raises a failed write
+        done(key)
+    metrics["runtime"]["write_seconds"] = round(time.perf_counter() - start, 3)
+    paths["metrics"].write_text(json.dumps(metrics, indent=1, allow_nan=False))
+    done("metrics")
+    return written
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the complete folder ``tmp`` to ``out``; an existing ``out`` is removed only after the move succeeded."""
+    old = None
+    if out.exists():
+        old = out.with_name(f"{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

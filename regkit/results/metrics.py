@@ -1,0 +1,176 @@
+"""The contents of ``metrics.json``, the numbers that judge a registration (every value a plain number; NaN written as
+null):
+
+* ``similarity``: for ``ncc``, ``mse`` and the similarity of the last optimized stage, ``{"before", "after"}``: the loss
+  as regkit minimizes it (``ncc``: 1 - NCC, ``lncc``: 1 - mean local cc^2, ``mi``: -MI in nats, ``mse``), lower is
+  better, on the full-resolution fixed image against the moving image resampled onto the fixed grid with the identity
+  (``before``) and with the transformation (``after``), both rescaled to [0, 1] between their 0.5th and 99.5th
+  percentiles, no masks;
+* ``labels`` (both label maps given): per label and mean Dice before and after, and HD95 (mm) after, over the labels
+  present in both maps (Learn2Reg's rule; 0 is background);
+* ``jacobian``: Learn2Reg's ``fraction_nonpositive`` and ``sdlogj`` from central differences of
+  ``displacement.nii.gz`` (:mod:`regkit.spatial.metrics`), and the analytic determinant's ``analytic_min`` and
+  ``analytic_max``;
+* ``field_of_view_overlap``: the fraction of the fixed grid that lies inside the moving image's box (identity map);
+* ``runtime``: seconds per stage (with the levels' iterations and similarities) and in total; ``peak_memory``: bytes
+  and how they were measured (CUDA ``max_memory_allocated``, else the process's peak resident set size);
+* ``device``, ``seed``, ``versions``; ``images``: the fixed and moving grids (``regkit invert`` and ``regkit export``
+  read the moving grid from here).
+
+Grids are recorded as ``size``, ``spacing`` (x, y[, z] order), ``origin`` (LPS mm) and ``direction`` (rows of the
+matrix whose columns are the index axes' directions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import platform
+import sys
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from regkit import __version__
+from regkit.intensity import rescale_intensities
+from regkit.io.image import Image
+from regkit.results.resampling import sample_world
+from regkit.similarity import build_similarity
+from regkit.spatial.grid import Grid
+from regkit.spatial.metrics import dice_per_label, fraction_nonpositive, hd95_per_label, sdlogj
+
+if TYPE_CHECKING:
+    from regkit.engine import RegistrationResult
+
+__all__ = ["field_of_view_overlap", "label_scores", "measure_peak_memory", "metrics_record"]
+
+
+def metrics_record(
+    result: RegistrationResult,
+    world: torch.Tensor,
+    mapped: torch.Tensor,
+    labels: dict[str, Any] | None,
+    det_fd: torch.Tensor,
+    det_analytic: torch.Tensor,
+    peak_memory: dict[str, Any],
+) -> dict[str, Any]:
+    """The content of ``metrics.json`` (module docstring) but ``runtime.write_seconds``, which the writer adds last.
+
+    ``world``: the fixed voxel centres, ``mapped``: their images under the transformation (moving world space);
+    ``labels``: :func:`label_scores` or None; ``det_fd`` and ``det_analytic``: the central-difference and analytic
+    Jacobian determinants on the fixed grid; ``peak_memory``: :func:`measure_peak_memory` of the registration.
+    """
+    runtime: dict[str, Any] = {
+        "total_seconds": result.seconds,
+        "stages": [dataclasses.asdict(stage) for stage in result.stages],
+    }
+    return {
+        "similarity": _similarities(result, world, mapped),
+        **({"labels": labels} if labels is not None else {}),
+        "jacobian": _jacobian_metrics(det_fd, det_analytic),
+        "field_of_view_overlap": field_of_view_overlap(result.fixed.grid, result.moving.grid),
+        "runtime": runtime,
+        "peak_memory": peak_memory,
+        "device": result.device,
+        "seed": result.config.seed,
+        "versions": {
+            "regkit": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "images": {"fixed": _grid_dict(result.fixed.grid), "moving": _grid_dict(result.moving.grid)},
+    }
+
+
+def field_of_view_overlap(fixed: Grid, moving: Grid, samples: int = 24) -> float:
+    """Fraction of the fixed grid's voxel-centre box that lies inside the moving grid's box (half a voxel beyond its
+    outer voxel centres) under the identity map of world space; estimated on a ``samples``-per-axis lattice."""
+    index = torch.stack(
+        torch.meshgrid(
+            *[torch.linspace(0, s - 1, min(s, samples), dtype=torch.float64) for s in fixed.size], indexing="ij"
+        ),
+        dim=-1,
+    ).reshape(-1, fixed.ndim)
+    inside_index = moving.world_to_index(fixed.index_to_world(index))
+    size = torch.tensor(moving.size, dtype=torch.float64)
+    inside = ((inside_index >= -0.5) & (inside_index <= size - 0.5)).all(dim=-1)
+    return float(inside.double().mean())
+
+
+def _finite(value: float) -> float | None:
+    return float(value) if math.isfinite(value) else None
+
+
+def _similarities(result: RegistrationResult, world: torch.Tensor, mapped: torch.Tensor) -> dict[str, dict]:
+    """``{name: {"before", "after"}}`` for ncc, mse and the last optimized stage's similarity (module docstring);
+    ``world``: the fixed voxel centres, ``mapped``: their images under the transformation (moving world space)."""
+    measures: dict[str, dict[str, Any]] = {"ncc": {}, "mse": {}}
+    optimized = [stage for stage in result.config.stages if hasattr(stage, "similarity")]
+    if optimized and optimized[-1].similarity.name in ("lncc", "mi"):
+        last = optimized[-1].similarity
+        measures[last.name] = last.model_dump(exclude={"name"})
+    fixed = rescale_intensities(result.fixed.data)[None, None]
+    moving = Image(rescale_intensities(result.moving.data), result.moving.grid)
+    images = {"before": sample_world(moving, world)[None, None], "after": sample_world(moving, mapped)[None, None]}
+    out = {}
+    with torch.no_grad():
+        for name, params in measures.items():
+            sim = build_similarity(name, **params)
+            out[name] = {key: _finite(float(sim(fixed, image))) for key, image in images.items()}
+    return out
+
+
+def label_scores(
+    fixed_labels: Image, moving_labels: Image, before: torch.Tensor, after: torch.Tensor, spacing
+) -> dict[str, Any]:
+    """Dice before/after and HD95 after, over the labels present in both maps (Learn2Reg's rule)."""
+    present = set(torch.unique(fixed_labels.data).tolist()) & set(torch.unique(moving_labels.data).tolist())
+    labels = sorted(int(v) for v in present if v != 0)
+    dice_before = dice_per_label(fixed_labels.data, before, labels)
+    dice_after = dice_per_label(fixed_labels.data, after, labels)
+    hd95 = hd95_per_label(fixed_labels.data, after, spacing, labels)
+
+    def mean(values: dict[int, float]) -> float | None:
+        finite = [v for v in values.values() if math.isfinite(v)]
+        return float(np.mean(finite)) if finite else None
+
+    return {
+        "labels": labels,
+        "dice_before": {str(k): _finite(v) for k, v in dice_before.items()},
+        "dice_after": {str(k): _finite(v) for k, v in dice_after.items()},
+        "hd95_after_mm": {str(k): _finite(v) for k, v in hd95.items()},
+        "mean_dice_before": mean(dice_before),
+        "mean_dice_after": mean(dice_after),
+        "mean_hd95_after_mm": mean(hd95),
+    }
+
+
+def measure_peak_memory(result: RegistrationResult) -> dict[str, Any]:
+    if result.peak_memory_bytes is not None:
+        return {"bytes": int(result.peak_memory_bytes), "measure": "cuda_max_memory_allocated"}
+    try:
+        import resource
+    except ImportError:  # Windows
+        return {"bytes": None, "measure": "unavailable"}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"bytes": int(peak if sys.platform == "darwin" else peak * 1024), "measure": "process_peak_rss"}
+
+
+def _jacobian_metrics(det_fd: torch.Tensor, det_analytic: torch.Tensor) -> dict[str, Any]:
+    interior = min(det_fd.shape) > 4  # Learn2Reg drops 2 voxels on each side
+    return {
+        "fraction_nonpositive": fraction_nonpositive(det_fd) if interior else None,
+        "sdlogj": _finite(sdlogj(det_fd)) if interior else None,
+        "analytic_min": _finite(float(det_analytic.min())),
+        "analytic_max": _finite(float(det_analytic.max())),
+    }
+
+
+def _grid_dict(grid: Grid) -> dict[str, list]:
+    return {
+        "size": list(grid.size),
+        "spacing": list(grid.spacing),
+        "origin": list(grid.origin),
+        "direction": [list(row) for row in grid.direction],
+    }

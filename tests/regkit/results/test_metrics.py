@@ -1,0 +1,63 @@
+"""regkit.results.metrics: the contents of metrics.json, read from the package's registrations (conftest.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from regkit.config import load_config
+from regkit.io import read_image
+from regkit.results import field_of_view_overlap, read_moving_grid
+from regkit.spatial.grid import Grid
+from tests.regkit.results.registration_cases import same_grid
+
+
+def test_jacobian_positive_and_consistent_with_metrics(case):
+    result, _, out = case
+    det = read_image(out / "jacobian.nii.gz")
+    assert same_grid(det.grid, result.fixed.grid) and det.data.dtype == torch.float32
+    assert float(det.data.min()) > 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["jacobian"]["fraction_nonpositive"] == 0.0
+    assert metrics["jacobian"]["analytic_min"] == pytest.approx(float(det.data.min()), rel=1e-6)
+
+
+def test_metrics_content(case):
+    result, _, out = case
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics) == {
+        "similarity",
+        "labels",
+        "jacobian",
+        "field_of_view_overlap",
+        "runtime",
+        "peak_memory",
+        "device",
+        "seed",
+        "versions",
+        "images",
+    }
+    assert set(metrics["similarity"]) == {"ncc", "mse", "lncc"}
+    for values in metrics["similarity"].values():
+        assert values["after"] < values["before"]
+    labels = metrics["labels"]
+    assert labels["labels"] == [1, 2]
+    assert labels["mean_dice_after"] > labels["mean_dice_before"]
+    assert set(labels["hd95_after_mm"]) == {"1", "2"}
+    assert metrics["jacobian"]["sdlogj"] > 0
+    assert [s["kind"] for s in metrics["runtime"]["stages"]] == ["moments", "affine", "cpab"]
+    assert metrics["runtime"]["total_seconds"] == result.seconds
+    assert metrics["peak_memory"]["bytes"] > 0 and metrics["peak_memory"]["measure"] == "process_peak_rss"
+    assert metrics["device"] == "cpu" and metrics["seed"] == 0
+    assert set(metrics["versions"]) == {"regkit", "torch", "python"}
+    assert read_moving_grid(out) == result.moving.grid
+    assert load_config(str(out / "config.yaml")) == result.config
+
+
+def test_field_of_view_overlap():
+    grid = Grid.create((10, 10), (1.0, 1.0))
+    assert field_of_view_overlap(grid, grid) == 1.0
+    assert field_of_view_overlap(grid, Grid.create((10, 10), origin=(100.0, 0.0))) == 0.0
+    assert 0.4 < field_of_view_overlap(grid, Grid.create((10, 10), origin=(5.0, 0.0))) < 0.6
