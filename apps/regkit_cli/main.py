@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from regkit.process import configure_process
-from regkit_cli.bench import app as bench_app
 
 configure_process()  # before torch is imported, which the commands do lazily
 
@@ -218,13 +217,8 @@ def register(
     from regkit.config import DEFAULT_PRESETS, load_config
     from regkit.engine import register as run_registration
     from regkit.errors import RegkitError
-    from regkit.outputs import (
-        OUTPUT_FILES,
-        check_output_dir,
-        field_of_view_overlap,
-        read_registration_inputs,
-        write_outputs,
-    )
+    from regkit.io import read_registration_inputs
+    from regkit.results import OUTPUT_FILES, check_output_dir, field_of_view_overlap, write_outputs
 
     check_output_dir(output, overwrite)
     inputs = read_registration_inputs(
@@ -290,7 +284,7 @@ def _load_transform(source: Path):
 def _moving_grid(source: Path, reference: Path | None):
     """The moving grid: ``reference``'s, else the one recorded beside the transformation (metrics.json)."""
     from regkit.io import read_image
-    from regkit.outputs import read_moving_grid
+    from regkit.results import read_moving_grid
 
     if reference is not None:
         return read_image(reference).grid
@@ -310,8 +304,8 @@ def apply(
     ] = Interpolation.linear,
 ):
     """Resample IMAGE onto REFERENCE's grid through a saved transformation (pull-back: out(x) = image(T(x)))."""
-    from regkit.io import read_image, write_image
-    from regkit.outputs import apply_itk_transform, resample
+    from regkit.io import apply_itk_transform, read_image, write_image
+    from regkit.results import resample
 
     source = read_image(image)
     grid = read_image(reference).grid
@@ -336,7 +330,7 @@ def invert(
     ] = None,
 ):
     """Write the inverse transformation as an ITK displacement field on the moving grid (moving -> fixed, LPS mm)."""
-    from regkit.outputs import write_displacement
+    from regkit.io import write_displacement
 
     grid = _moving_grid(source, reference)
     write_displacement(_load_transform(source).inverse_displacement(grid), grid, output)
@@ -387,7 +381,7 @@ def export(
     named disp_FIXED_MOVING.nii.gz with 4-digit case ids, as Learn2Reg's evaluation reads them.
     """
     from regkit.errors import RegkitError
-    from regkit.outputs import write_learn2reg
+    from regkit.io import write_learn2reg
 
     path = output
     if not output.name.endswith((".nii.gz", ".nii")):
@@ -411,8 +405,6 @@ app.command("batch")(_batch)
 from regkit_cli.train import train_features as _train_features  # noqa: E402
 
 app.command("train-features")(_train_features)
-
-app.add_typer(bench_app, name="bench")
 
 
 def _error_line(err: BaseException) -> str:

