@@ -1,0 +1,28 @@
+"""``regkit invert SOURCE -o OUTPUT``: the inverse transformation as an ITK displacement field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def invert(
+    source: Annotated[Path, typer.Argument(help="A result folder of `regkit register`, or its transform.json.")],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Output displacement file (.nii.gz: ITK vector NIfTI).")
+    ],
+    reference: Annotated[
+        Path | None,
+        typer.Option(
+            "--reference", "-r", help="Image whose grid the inverse is evaluated on; default: the recorded moving grid."
+        ),
+    ] = None,
+) -> None:
+    """Write the inverse transformation as an ITK displacement field on the moving grid (moving -> fixed, LPS mm)."""
+    from regkit.io import write_displacement
+    from regkit_cli.transforms import load_transform, moving_grid
+
+    grid = moving_grid(source, reference)
+    write_displacement(load_transform(source).inverse_displacement(grid), grid, output)
