@@ -280,8 +280,8 @@ def _run_regkit(spec: dict[str, Any], out: Path) -> dict[str, Any]:
 
     from regkit._backend import import_cpu_kernels
     from regkit.config import load_config
-    from regkit.engine import register
     from regkit.io import read_image, write_displacement, write_image
+    from regkit.registration import register
 
     torch.set_num_threads(spec["threads"])
     import_cpu_kernels()  # module imports before the timer, as `import ants` comes before ANTs' (first calls: inside)

@@ -150,8 +150,8 @@ def _run_2d(
     import torch
 
     from regkit.demo import SyntheticChange, synthetic_map
-    from regkit.engine import register
     from regkit.io import Image
+    from regkit.registration import register
     from regkit.spatial.sampling import sample_image
 
     t1, pd = _itk_slices(quick, itk_data)
@@ -234,7 +234,7 @@ def _run_3d(
     labels: Path | None,
     say,
 ) -> list[list[str]]:
-    from regkit.engine import register
+    from regkit.registration import register
     from regkit.spatial.metrics import mean_dice
 
     scores: dict[tuple[str, str], list[float]] = {}

@@ -61,7 +61,7 @@ def _measure(size: str, device: str, config: str) -> dict[str, Any]:
     import torch
 
     from regkit.config import load_config
-    from regkit.engine import register
+    from regkit.registration import register
     from regkit.spatial.metrics import mean_dice
 
     pair = brain_pair(size)

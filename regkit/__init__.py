@@ -40,7 +40,7 @@ process.configure_caches()
 
 # Top-level name -> the module that defines it (imported lazily by __getattr__).
 _LAZY = {
-    "register": "regkit.engine",
+    "register": "regkit.registration.engine",
     "read_image": "regkit.io.files",
     "write_image": "regkit.io.files",
     "Image": "regkit.io.image",

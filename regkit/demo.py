@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from regkit.engine import Progress
 from regkit.errors import RegkitError
 from regkit.io import Image, read_image
+from regkit.registration import Progress
 from regkit.spatial.affine import grid_centre
 from regkit.spatial.filters import gaussian_smooth
 from regkit.spatial.grid import Grid
@@ -282,7 +282,7 @@ def run_demo(
         quiet: print nothing.
         overwrite: replace an existing output folder (an empty one, or an earlier regkit output).
         config: the registration configuration, a preset name or a YAML file (default: the ``demo`` preset).
-        progress: called after every optimizer iteration (``regkit.engine.Progress``); by default one line per
+        progress: called after every optimizer iteration (``regkit.registration.Progress``); by default one line per
             pyramid level is printed (unless ``quiet``).
 
     Returns:
@@ -292,8 +292,8 @@ def run_demo(
     """
     from regkit._backend import announce_compiles
     from regkit.config import load_config
-    from regkit.engine import register
     from regkit.io import write_image
+    from regkit.registration import register
     from regkit.results import OUTPUT_FILES, check_output_dir, write_outputs
     from regkit.spatial.metrics import mean_dice
     from regkit.transform import Transformation

@@ -36,7 +36,7 @@ from regkit.transform import Transformation
 if TYPE_CHECKING:
     from napari.types import LayerData
 
-    from regkit.engine import Progress, RegistrationResult
+    from regkit.registration import Progress, RegistrationResult
 
 __all__ = [
     "ANIMATION_FORMATS",
@@ -393,14 +393,14 @@ def run_registration(
     preview: Callable[[LayerData], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> RegistrationRun:
-    """Register ``inputs.moving`` to ``inputs.fixed`` with :func:`regkit.engine.register` (masks from ``inputs``),
+    """Register ``inputs.moving`` to ``inputs.fixed`` with :func:`regkit.registration.register` (masks from ``inputs``),
     then build the result's layers (:func:`result_layers`; the moving labels, if any, named ``labels_name``).
 
     ``progress`` and ``should_stop`` are passed to the engine; ``preview`` receives, after every pyramid level, the
     moving image warped by the transformation reached so far (:func:`warped_layer`, named like the final warped
-    layer). Raises the engine's :class:`~regkit.errors.RegkitError`, :class:`~regkit.engine.Cancelled` included.
+    layer). Raises the engine's :class:`~regkit.errors.RegkitError`, :class:`~regkit.registration.Cancelled` included.
     """
-    from regkit.engine import register
+    from regkit.registration import register
 
     def on_level(transform: Transformation) -> None:
         if preview is not None:

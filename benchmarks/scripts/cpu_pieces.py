@@ -34,7 +34,7 @@ import torch
 from benchmarks.accuracy_pairs import make_pairs
 from regkit.config import load_config
 from regkit.cpab import CPAB
-from regkit.engine import register
+from regkit.registration import register
 from regkit.spatial.grid import Grid
 from regkit_kernels import cpab_numba, filters_numba, lncc_numba, mi_numba
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import features as bench
-from regkit.engine import register
+from regkit.registration import register
 from regkit.spatial.metrics import mean_dice
 
 

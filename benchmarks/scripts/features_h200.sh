@@ -47,7 +47,7 @@ train)
     setup_device
     for dim in 2 3; do
         stop=$([ "$dim" = 2 ] && echo "--stop-after 424" || true)
-        CUDA_VISIBLE_DEVICES=$((dim - 2)) "$PYTHON" -m regkit_cli.main train-features "features-${dim}d" \
+        CUDA_VISIBLE_DEVICES=$((dim - 2)) "$PYTHON" -m regkit_cli train-features "features-${dim}d" \
             -o "/tmp/features-${dim}d" --device cuda --labels .features/brain_labels.nii.gz $stop \
             >"$OUT/train-${dim}d.txt" 2>&1 &
     done

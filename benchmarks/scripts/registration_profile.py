@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.registration import brain_pair
 from regkit.config import load_config
-from regkit.engine import register
+from regkit.registration import register
 
 out = os.environ.get("OUT", "/tmp")
 for size in sys.argv[1:] or ["2mm", "1mm"]:
@@ -28,7 +28,7 @@ for size in sys.argv[1:] or ["2mm", "1mm"]:
     result = register(pair.fixed, pair.moving, cfg, device="cuda")
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
-    iters = [(s.kind, round(s.seconds, 3), [lv.get("iterations") for lv in s.levels]) for s in result.stages]
+    iters = [(s.kind, round(s.seconds, 3), [lv.iterations for lv in s.levels]) for s in result.stages]
     print(f"== {size}: register {wall:.3f} s; stages {iters}", flush=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         register(pair.fixed, pair.moving, cfg, device="cuda")

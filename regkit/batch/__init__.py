@@ -59,7 +59,7 @@ client's, pins a worker that sees several GPUs to one of them, sets the torch th
 applies the process settings of :mod:`regkit.process` (the allocator, overriding dask's ``MALLOC_TRIM_THRESHOLD_``,
 and the OpenMP wait policy) and points the numba and Triton caches at node-local disk (:func:`node_cache_dir`).
 
-Pairs are registered one per call, also when several have the same shape: :func:`regkit.engine.register` optimizes
+Pairs are registered one per call, also when several have the same shape: :func:`regkit.registration.register` optimizes
 one transformation (its own tessellation schedule, stopping rule and optimizer state), and each iteration's work, the
 CPAB integration at every voxel of the fixed grid's pyramid level (millions of points for a 1 mm brain), is already
 one large launch on the GPU. To share one GPU among jobs, run more dask workers than GPUs (``workers`` > number of

@@ -39,8 +39,8 @@ def one_line(err: BaseException) -> str:
 
 def _register_job(job: Job) -> str:
     """Read the job's inputs, register and write its output folder; returns the device used."""
-    from regkit.engine import register
     from regkit.io import read_registration_inputs
+    from regkit.registration import register
     from regkit.results import write_outputs
 
     fixed, moving = job.inputs["fixed"], job.inputs["moving"]

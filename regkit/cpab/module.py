@@ -247,7 +247,7 @@ class CPAB(torch.nn.Module):
 
     # ---- new transformations -------------------------------------------------------------------------------------
 
-    def _with_theta(self, theta: torch.Tensor) -> CPAB:
+    def with_theta(self, theta: torch.Tensor) -> CPAB:
         """A copy sharing the tessellation, basis and prior, with new (detached) parameters."""
         shared = {id(self.tess): self.tess, id(self.basis): self.basis, id(self._prior): self._prior}
         other = copy.deepcopy(self, shared)
@@ -258,14 +258,14 @@ class CPAB(torch.nn.Module):
     def inverse(self) -> CPAB:
         """The inverse transformation: the flow of ``-theta`` (exact for the flow; the ``steps``-step scheme inverts
         up to its discretisation error)."""
-        return self._with_theta(-self.theta.detach())
+        return self.with_theta(-self.theta.detach())
 
     def sample(self, generator: torch.Generator, scale: float = 1.0) -> CPAB:
         """A new CPAB (same tessellation, frame and batch size) with ``theta`` drawn from the prior, its standard
         deviation times ``scale``: random diffeomorphisms for augmentation and demos."""
         n = self.theta.shape[0] if self.batched else None
         theta = self.prior.sample_theta(n, generator=generator, scale=scale)
-        return self._with_theta(theta.to(self.theta.device, self.theta.dtype))
+        return self.with_theta(theta.to(self.theta.device, self.theta.dtype))
 
     def prior_energy(self) -> torch.Tensor:
         """``1/2 theta^T Sigma_theta^-1 theta`` of the prior: a scalar, or ``(B,)``."""

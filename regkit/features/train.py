@@ -51,11 +51,11 @@ import yaml
 from torch import Tensor
 
 from regkit import _atomic
-from regkit.engine import resolve_device
 from regkit.errors import RegkitError
 from regkit.features.network import FeatureMaps, FeatureNetwork, NetworkSpec, save_feature_network
 from regkit.features.synth import LabelVolume, ViewPair, brain_label_volume, crop_flow, synthesise_pair
 from regkit.features.train_config import FeatureTrainingConfig, LossConfig
+from regkit.registration import resolve_device
 from regkit.spatial.grid import Grid
 from regkit.spatial.sampling import sample_image
 

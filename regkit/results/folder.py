@@ -1,7 +1,7 @@
 """The output folder of a registration: one stable naming scheme (:data:`OUTPUT_FILES`), written atomically.
 
-:func:`write_outputs` writes a :class:`~regkit.engine.RegistrationResult` into a folder. The names never change with
-options; the optional files (their ``config.outputs`` flag in brackets, :class:`~regkit.config.OutputsConfig`) are
+:func:`write_outputs` writes a :class:`~regkit.registration.RegistrationResult` into a folder. The names never change
+with options; the optional files (their ``config.outputs`` flag in brackets, :class:`~regkit.config.OutputsConfig`) are
 written when their flag is true:
 
 * ``warped.nii.gz``: the moving image resampled onto the fixed grid (linear, float) [``warped``];
@@ -56,7 +56,7 @@ from regkit.spatial.grid import Grid
 from regkit.spatial.metrics import jacobian_determinant
 
 if TYPE_CHECKING:
-    from regkit.engine import RegistrationResult
+    from regkit.registration import RegistrationResult
 
 __all__ = ["OUTPUT_FILES", "OutputExistsError", "check_output_dir", "read_moving_grid", "write_outputs"]
 
@@ -124,7 +124,7 @@ def write_outputs(
     """Write a registration's outputs into ``out_dir`` (module docstring: names, conventions, atomicity).
 
     Args:
-        result: the outcome of :func:`regkit.engine.register`.
+        result: the outcome of :func:`regkit.registration.register`.
         out_dir: the output folder; its parent folders are created. It must not exist unless ``overwrite``.
         moving_labels: optional label map in the moving image's world space (any grid); warped with nearest
             interpolation into ``warped_labels.nii.gz``.

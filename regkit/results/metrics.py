@@ -23,7 +23,6 @@ matrix whose columns are the index axes' directions).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import platform
 import sys
@@ -41,7 +40,7 @@ from regkit.spatial.grid import Grid
 from regkit.spatial.metrics import dice_per_label, fraction_nonpositive, hd95_per_label, sdlogj
 
 if TYPE_CHECKING:
-    from regkit.engine import RegistrationResult
+    from regkit.registration import RegistrationResult
 
 __all__ = ["field_of_view_overlap", "label_scores", "measure_peak_memory", "metrics_record"]
 
@@ -63,7 +62,7 @@ def metrics_record(
     """
     runtime: dict[str, Any] = {
         "total_seconds": result.seconds,
-        "stages": [dataclasses.asdict(stage) for stage in result.stages],
+        "stages": [stage.to_dict() for stage in result.stages],
     }
     return {
         "similarity": _similarities(result, world, mapped),

@@ -115,6 +115,6 @@ class Grid:
 def _affine_on(grid: Grid, inverse: bool, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``grid.affine()`` (or its inverse) as a tensor of ``dtype`` on ``device``; cached and never written to. Made
     from host values, it would be a host-to-device copy on every map: that copy waits for the GPU to catch up and
-    cannot be part of a CUDA graph (``regkit.engine`` captures optimizer iterations)."""
+    cannot be part of a CUDA graph (``regkit.registration`` captures optimizer iterations)."""
     m = grid.affine()
     return torch.as_tensor(np.linalg.inv(m) if inverse else m, dtype=dtype, device=device)

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from benchmarks.__main__ import app
-from tests.apps.test_cli_demo import TINY_CONFIG
+from tests.regkit_cli.test_demo import TINY_CONFIG
 
 
 @pytest.mark.slow  # a whole benchmark run: over 30 s on 2 cores

@@ -36,9 +36,9 @@ from napari_regkit._logic import (
 )
 from regkit.config import CpabStage, LnccSimilarity, MomentsStage, RegistrationConfig, load_config
 from regkit.cpab.module import CPAB
-from regkit.engine import Cancelled, Progress, RegistrationResult
 from regkit.errors import ConfigError, GeometryError, RegkitError
 from regkit.io import Image, RegistrationInputs
+from regkit.registration import Cancelled, Progress, RegistrationResult
 from regkit.results import resample
 from regkit.spatial.grid import Grid
 from regkit.transform import Transformation

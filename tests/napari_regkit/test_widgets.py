@@ -27,8 +27,8 @@ if sys.platform.startswith("linux") and not os.environ.get("DISPLAY") and not os
 
 from napari_regkit._logic import deformed_grid_lines, grid_step, napari_affine  # noqa: E402
 from regkit.config import load_config  # noqa: E402
-from regkit.engine import register  # noqa: E402
 from regkit.io import Image, read_image, write_image  # noqa: E402
+from regkit.registration import register  # noqa: E402
 from regkit.results import resample, write_outputs  # noqa: E402
 from regkit.spatial.grid import Grid  # noqa: E402
 from regkit.transform import Transformation  # noqa: E402

@@ -128,7 +128,7 @@ def test_run_demo_gains_dice_without_folds(tmp_path: Path) -> None:
 
 def test_level_lines_give_each_level_its_own_seconds(capsys) -> None:
     """One line per finished pyramid level, timed from the end of the level before (not from the start)."""
-    from regkit.engine import Progress
+    from regkit.registration import Progress
 
     report, flush = demo.level_printer()
     for level, elapsed in ((0, 10.0), (0, 40.0), (1, 40.5), (1, 41.0)):

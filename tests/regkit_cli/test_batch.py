@@ -15,7 +15,6 @@ import torch
 from regkit.batch import MANIFEST, Manifest, lock_output_root
 from regkit.io import Image, read_image, write_image
 from regkit.spatial.grid import Grid
-from tests.apps.cli import run_cli
 from tests.regkit.batch.batch_cases import (
     LIST_SPEC,
     TINY_CONFIG,
@@ -24,6 +23,7 @@ from tests.regkit.batch.batch_cases import (
     make_data,
     write_spec,
 )
+from tests.regkit_cli.cli import run_cli
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys, monkeypatch):
@@ -171,7 +171,7 @@ def test_killed_run_resumes(tmp_path, capsys):
     spec = write_spec(tmp_path, KILL_SPEC)
     (tmp_path / "tiny.yaml").write_text(TINY_CONFIG.replace("iterations: 3", "iterations: 60"))  # jobs take a while
     out, manifest = tmp_path / "out", tmp_path / "out" / MANIFEST
-    command = [sys.executable, "-m", "regkit_cli.main", "batch", str(spec), "--quiet"]
+    command = [sys.executable, "-m", "regkit_cli", "batch", str(spec), "--quiet"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120

@@ -10,7 +10,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from regkit_cli.main import app
-from tests.apps.cli import run_cli
+from tests.regkit_cli.cli import run_cli
 
 # A few iterations at shrink 4: the whole pipeline (pair, registration, outputs) in seconds, not the demo's accuracy.
 TINY_CONFIG = """\

@@ -13,8 +13,8 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from tests.apps.cli import run_cli
 from tests.data import itk_example, nibabel_data
+from tests.regkit_cli.cli import run_cli
 
 
 def _fields(out: str) -> dict[str, str]:
@@ -82,7 +82,7 @@ def test_bad_input_is_one_error_line_and_exit_code_1(capfd, tmp_path: Path, make
 
 def test_python_dash_m_regkit_info_runs_the_real_entry_point(tmp_path: Path) -> None:
     ok = subprocess.run(
-        [sys.executable, "-m", "regkit", "info", str(nibabel_data("anatomical.nii"))],
+        [sys.executable, "-m", "regkit_cli", "info", str(nibabel_data("anatomical.nii"))],
         capture_output=True,
         text=True,
         timeout=120,

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-import regkit.engine
+import regkit.registration
 from regkit.io import Image, read_image, write_image
 from regkit.results import OUTPUT_FILES
 from regkit.spatial.grid import Grid
-from tests.apps.cli import run_cli
+from tests.regkit_cli.cli import run_cli
 
 CONFIG = """\
 base: quick-2d
@@ -115,7 +115,7 @@ def test_register_quiet_prints_nothing(files, tmp_path, capsys):
 
 def test_register_through_python_m(files, tmp_path):
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "regkit", "register", files["fixed"], files["moving"], "-o", out]
+    command = [sys.executable, "-m", "regkit_cli", "register", files["fixed"], files["moving"], "-o", out]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as _one_thread
     argv = [str(c) for c in command] + ["-c", str(files["config"]), "--quiet"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
@@ -175,7 +175,7 @@ def test_ctrl_c_leaves_nothing_and_exits_130(files, tmp_path, capsys, monkeypatc
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(regkit.engine, "register", interrupted)
+    monkeypatch.setattr(regkit.registration, "register", interrupted)
     assert run_cli(["register", files["fixed"], files["moving"], "-o", tmp_path / "out", "-c", files["config"]]) == 130
     err = capsys.readouterr().err
     assert [line for line in err.splitlines() if line.strip()] == [
@@ -188,7 +188,7 @@ def test_gpu_out_of_memory_is_one_line(files, tmp_path, capsys, monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(regkit.engine, "register", out_of_memory)
+    monkeypatch.setattr(regkit.registration, "register", out_of_memory)
     assert run_cli(["register", files["fixed"], files["moving"], "-o", tmp_path / "out", "-c", files["config"]]) == 1
     _one_error_line(capsys, "smaller tessellation")
 

@@ -31,8 +31,8 @@ from napari_regkit._logic import (
 )
 from napari_regkit._qt._layers import layer_choices, path_or_none, show_layer
 from regkit.config import SIMILARITIES, list_presets
-from regkit.engine import Cancelled, Progress
 from regkit.errors import RegkitError
+from regkit.registration import Cancelled, Progress
 from regkit.results import write_outputs
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def _devices() -> list[str]:
 
 
 class RegistrationWidget(Container):
-    """Register a moving image layer to a fixed image layer with regkit (``regkit.engine.register``).
+    """Register a moving image layer to a fixed image layer with regkit (``regkit.registration.register``).
 
     Settings: a preset or YAML configuration, and overrides of its tessellation schedule, similarity, iterations and
     device (:class:`~napari_regkit._logic.RunSettings`). The registration runs in a napari ``thread_worker``: the

@@ -86,9 +86,9 @@ class _Kernels:
     wgrad_pair: int  # positions along x per element of a weight-gradient step (the kernels' WGRAD_PAIR)
 
 
-# One table picks the 2D or 3D kernels. Block sizes: the best of small sweeps on an H200 (docs/wtconv_notes.md; the 2D
-# weight-gradient tiling: benchmarks/scripts/wgrad_ab.py). The weight-gradient kernels are latency-bound: enough programs
-# for several waves, so that the last wave's idle multiprocessors cost little; one element per thread.
+# One table picks the 2D or 3D kernels. Block sizes: the best of small sweeps on an H200 (docs/wtconv_notes.md; the
+# 2D weight-gradient tiling: benchmarks/scripts/wgrad_ab.py). The weight-gradient kernels are latency-bound: enough
+# programs for several waves, so that the last wave's idle multiprocessors cost little; one element per thread.
 _KERNELS = {
     2: _Kernels(
         _haar_lowpasses2d_kernel,

@@ -1,4 +1,4 @@
-"""Shared inputs of the batch tests (here and in tests/apps): 2D images of blobs, a tiny CPU configuration, batch
+"""Shared inputs of the batch tests (here and in tests/regkit_cli): 2D images of blobs, a tiny CPU configuration, batch
 specs, and the isolation of the settings that RegkitWorkerPlugin makes in a process."""
 
 from __future__ import annotations

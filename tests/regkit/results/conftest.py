@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from regkit.engine import register
+from regkit.registration import register
 from regkit.results import write_outputs
 from regkit.spatial.grid import Grid
 from tests.regkit.results.registration_cases import label_map, registration_config, rotation, scene

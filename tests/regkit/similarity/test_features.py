@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from regkit.config import load_config
-from regkit.engine import register
 from regkit.errors import ConfigError
 from regkit.intensity import rescale_intensities
 from regkit.io import Image, read_image
+from regkit.registration import register
 from regkit.similarity import SIMILARITIES, build_similarity
 from regkit.similarity.features import FeatureSimilarity
 from regkit.spatial.grid import Grid
@@ -153,7 +153,7 @@ def test_a_registration_with_features_runs(mode, monkeypatch):
     grid = Grid.create((32, 32))
     result = register(Image(_blobs()[0, 0], grid), Image(_blobs(shift=2.0)[0, 0], grid), cfg)
     levels = result.stages[0].levels
-    assert levels[0]["iterations"] == 4 and 0.0 <= levels[0]["similarity"] < 2.0
+    assert levels[0].iterations == 4 and 0.0 <= levels[0].similarity < 2.0
     if mode == "warp_features":  # the fixed and the moving features, once each
         assert len(extracted) == 2
     else:  # the fixed features once, the warped moving image's at every evaluation

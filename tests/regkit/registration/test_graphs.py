@@ -1,6 +1,6 @@
-"""The engine's iterations as CUDA graphs (``regkit._steps``): what a capture needs, checked on the CPU (no host
-synchronisation and no host-to-device copy in a level's steady-state iteration), and the graphed registration against
-the eager one on a GPU."""
+"""The engine's iterations as CUDA graphs (``regkit.registration.steps``): what a capture needs, checked on the CPU
+(no host synchronisation and no host-to-device copy in a level's steady-state iteration), and the graphed registration
+against the eager one on a GPU."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import regkit._backend
-import regkit.engine as engine
+import regkit.registration.stages
 import regkit.similarity.lncc
 import regkit.similarity.mi
 import regkit.spatial.filters
@@ -20,9 +20,9 @@ import regkit.spatial.sampling
 from regkit.config import RegistrationConfig
 from regkit.demo import load_template
 from regkit.io import Image, read_image
-from regkit.spatial.filters import gaussian_smooth
-from regkit.spatial.pyramid import downsample
+from regkit.registration import register
 from tests.data import itk_example
+from tests.regkit.registration.images import shrunk
 
 # Calls that synchronise with the device or copy from the host: none may run in a captured iteration.
 _FORBIDDEN = {"tensor", "as_tensor", "from_numpy", "item", "tolist", "__float__", "__int__", "__bool__", "__index__"}
@@ -53,12 +53,6 @@ class _Spy(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _shrunk(image: Image, factor: int) -> Image:
-    data = gaussian_smooth(image.data.float()[None, None], factor / 2)
-    small, grid = downsample(data, image.grid, factor)
-    return Image(small[0, 0].contiguous(), grid)
-
-
 def _stages(similarity: str, dim: int) -> list[dict]:
     level = [{"shrink": 1, "smoothing": 0.0}]
     optimizer = {"learning_rate": 0.1, "iterations": [1], "tolerance": 0.0}
@@ -86,7 +80,7 @@ def _spied_iterations(monkeypatch, fixed: Image, moving: Image, config: Registra
     monkeypatch.setattr(regkit.similarity.lncc, "LNCC_FACES", ("torch",))
     monkeypatch.setattr(regkit.similarity.mi, "MI_FACES", ("torch",))
     monkeypatch.setattr(regkit.spatial.sampling, "_LINEAR_FACES", ("torch",))
-    optimize = engine._optimize
+    optimize = regkit.registration.stages.optimize_level
 
     def spied(ctx, stage_index, stage, level_index, n_levels, parameters, objective, *args, **kwargs):
         objective()[0].backward()  # the first call may fill caches
@@ -96,14 +90,14 @@ def _spied_iterations(monkeypatch, fixed: Image, moving: Image, config: Registra
         found[stage.type] = spy.calls
         return optimize(ctx, stage_index, stage, level_index, n_levels, parameters, objective, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "_optimize", spied)
-    engine.register(fixed, moving, config, moving_mask=Image((moving.data > 0.05).float(), moving.grid))
+    monkeypatch.setattr(regkit.registration.stages, "optimize_level", spied)
+    register(fixed, moving, config, moving_mask=Image((moving.data > 0.05).float(), moving.grid))
     return found
 
 
 @pytest.mark.parametrize("similarity", ["ncc", "lncc", "mi", "mse"])
 def test_a_3d_iteration_makes_no_host_sync_or_copy(monkeypatch, similarity):
-    image = _shrunk(load_template(), 6)  # 17 x 20 x 16
+    image = shrunk(load_template(), 6)  # 17 x 20 x 16
     moving = Image(torch.roll(image.data, 1, dims=0), image.grid)
     config = RegistrationConfig.model_validate(
         {"dim": 3, "device": "cpu", "backend": "torch", "stages": _stages(similarity, 3)}
@@ -115,7 +109,7 @@ def test_a_3d_iteration_makes_no_host_sync_or_copy(monkeypatch, similarity):
 
 def test_a_2d_iteration_on_the_fused_path_makes_no_host_sync_or_copy(monkeypatch):
     """The Triton path (interpreter here) as it runs on CUDA: the kernels' tables are cached after the first call."""
-    image = _shrunk(read_image(itk_example("BrainProtonDensitySliceBorder20.png")), 8)
+    image = shrunk(read_image(itk_example("BrainProtonDensitySliceBorder20.png")), 8)
     moving = Image(torch.roll(image.data, 1, dims=0), image.grid)
     config = RegistrationConfig.model_validate(
         {"dim": 2, "device": "cpu", "backend": "triton", "stages": _stages("lncc", 2)}
@@ -129,7 +123,7 @@ def test_a_2d_iteration_on_the_fused_path_makes_no_host_sync_or_copy(monkeypatch
 
 @pytest.mark.gpu
 def test_graphed_registration_matches_the_eager_one():
-    image = _shrunk(load_template(), 3)
+    image = shrunk(load_template(), 3)
     moving = Image(torch.roll(image.data, 2, dims=1), image.grid)
     stages = _stages("lncc", 3)
     for stage in stages:
@@ -139,9 +133,9 @@ def test_graphed_registration_matches_the_eager_one():
         config = RegistrationConfig.model_validate(
             {"dim": 3, "device": "cuda", "cuda_graphs": graphs, "stages": stages}
         )
-        results[graphs] = engine.register(image, moving, config)
+        results[graphs] = register(image, moving, config)
     for report in results[True].stages:
-        assert all(level["cuda_graph"] for level in report.levels)
+        assert all(level.cuda_graph for level in report.levels)
     eager, graphed = (results[g].transform.displacement(device="cuda") for g in (False, True))
     # The fused backward's float atomics reorder sums, and 48 Adam steps amplify that: on the H200 (session 4) the
     # fields differed by 0.002 mm typically and 0.11 mm at most, on a 6 mm grid.

@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from regkit._steps import Adam, eager_step
+from regkit.registration.steps import Adam, eager_step
 
 
 def _quadratic(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +49,7 @@ def test_a_registration_never_imports_torch_dynamo():
     code = (
         "import sys, torch\n"
         "from regkit.config import load_config\n"
-        "from regkit.engine import register\n"
+        "from regkit.registration import register\n"
         "from regkit.io import Image\n"
         "from regkit.spatial.grid import Grid\n"
         "y, x = torch.meshgrid(torch.arange(24.0), torch.arange(24.0), indexing='ij')\n"

@@ -1,4 +1,4 @@
-"""One optimizer iteration of the engine (zero the gradients, evaluate the objective, backpropagate, step), eager or
+"""One optimizer iteration of a registration (zero the gradients, evaluate the objective, backpropagate, step), eager or
 replayed from a CUDA graph.
 
 On a GPU a registration iteration is a few hundred small launches whose GPU work is about a millisecond, so the host
@@ -16,6 +16,8 @@ import warnings
 from collections.abc import Callable, Iterable
 
 import torch
+
+__all__ = ["WARMUP", "Adam", "GraphedSteps", "Objective", "Optimizer", "eager_step"]
 
 Objective = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # () -> (loss, similarity)
 

@@ -19,33 +19,25 @@ import torch
 from regkit.config import RegistrationConfig
 from regkit.cpab.module import CPAB
 from regkit.demo import load_template
-from regkit.engine import Cancelled, Progress, register
 from regkit.errors import ImageDimensionError, ImageValueError
 from regkit.io import Image, read_image, reorient
+from regkit.registration import Cancelled, Progress, register
 from regkit.spatial.affine import grid_centre
-from regkit.spatial.filters import gaussian_smooth
-from regkit.spatial.pyramid import downsample
 from regkit.spatial.sampling import sample_image
 from tests.data import itk_example
-
-
-def _shrunk(image: Image, factor: int) -> Image:
-    """``image`` as float32, smoothed (sigma factor/2 voxels) and shrunk by ``factor``."""
-    data = gaussian_smooth(image.data.float()[None, None], factor / 2)
-    small, grid = downsample(data, image.grid, factor)
-    return Image(small[0, 0].contiguous(), grid)
+from tests.regkit.registration.images import shrunk
 
 
 @pytest.fixture(scope="module")
 def brain2d() -> Image:
     """ITK's proton-density brain slice (20-pixel black border), 2 mm pixels: 110 x 128."""
-    return _shrunk(read_image(itk_example("BrainProtonDensitySliceBorder20.png")), 2)
+    return shrunk(read_image(itk_example("BrainProtonDensitySliceBorder20.png")), 2)
 
 
 @pytest.fixture(scope="module")
 def brain3d() -> Image:
     """The bundled MNI152 T1 shrunk to 6 mm voxels: 33 x 39 x 31, RAS."""
-    return _shrunk(load_template(), 3)
+    return shrunk(load_template(), 3)
 
 
 def _config(*stages: dict, dim: int) -> RegistrationConfig:
@@ -258,15 +250,15 @@ def test_progress_reports_every_iteration(brain2d: Image) -> None:
     assert [stage.kind for stage in result.stages] == ["moments", "rigid", "cpab"]
 
 
-def test_adam_steps_are_scaled_by_the_prior_coherence() -> None:
+def test_adam_steps_are_scaled_by_the_priorcoherence() -> None:
     """Adam's learning rate is divided by rms(L 1 / sigma): 1 for nearly independent coordinates, growing with the
     number of vertices one prior length scale spans."""
     from regkit.cpab.prior import VertexPrior
-    from regkit.engine import _coherence
+    from regkit.registration.stages import coherence
 
     independent = VertexPrior(CPAB((4, 4, 4)).basis, length_scale=0.01)
-    assert _coherence(independent) == pytest.approx(1.0, abs=1e-6)
-    values = [_coherence(VertexPrior(CPAB((n, n, n)).basis, length_scale=0.1)) for n in (6, 12, 24)]
+    assert coherence(independent) == pytest.approx(1.0, abs=1e-6)
+    values = [coherence(VertexPrior(CPAB((n, n, n)).basis, length_scale=0.1)) for n in (6, 12, 24)]
     assert 1.0 < values[0] < values[1] < values[2]
 
 
@@ -276,20 +268,20 @@ def test_each_level_starts_from_the_coarser_solution_with_zero_z(brain2d: Image)
     from torch.nn.utils import parametrize
 
     from regkit.cpab.prior import VertexPrior
-    from regkit.engine import _Unwhiten
+    from regkit.registration.stages import Unwhiten
 
     flow = CPAB.for_grid(brain2d.grid, (8, 8))
     with torch.no_grad():
         flow.theta.normal_(generator=torch.Generator().manual_seed(0))
     start = flow.theta.detach().clone()
-    parametrize.register_parametrization(flow, "theta", _Unwhiten(flow, VertexPrior(flow.basis)))
+    parametrize.register_parametrization(flow, "theta", Unwhiten(flow, VertexPrior(flow.basis)))
     assert torch.count_nonzero(flow.get_parameter("parametrizations.theta.original")) == 0
     torch.testing.assert_close(flow.theta, start)
 
 
 def test_stages_with_one_pyramid_share_its_levels(brain2d: Image) -> None:
-    from regkit.engine import _Context
+    from regkit.registration.levels import RunContext
 
     config = _config(_linear_stage("affine", [2, 2]), _cpab_stage(2, [2, 2]), dim=2)
-    ctx = _Context(brain2d, brain2d, config, None, None, torch.device("cpu"), None, None, None)
+    ctx = RunContext(brain2d, brain2d, config, None, None, torch.device("cpu"), None, None, None)
     assert ctx.levels(config.stages[0]) is ctx.levels(config.stages[1])

@@ -6,8 +6,8 @@ import numpy as np
 import torch
 
 from regkit.config import RegistrationConfig
-from regkit.engine import register
 from regkit.io import Image
+from regkit.registration import register
 from regkit.spatial.grid import Grid
 from regkit.transform import Transformation
 
