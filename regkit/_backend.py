@@ -13,8 +13,6 @@ import importlib
 import logging
 import os
 import pkgutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from types import ModuleType
 
 import torch
@@ -49,19 +47,6 @@ def import_cpu_kernels() -> list[str]:
         m.name for m in pkgutil.iter_modules(regkit_kernels.__path__) if m.name.endswith("_numba") and m.name[0] != "_"
     ]
     return [name for name in names if kernels_available(name)]
-
-
-@contextmanager
-def announce_compiles(say: Callable[[str], None]) -> Iterator[None]:
-    """While the block runs, ``say`` a line before the CPU kernels' first compile and one with its duration at the end
-    (``regkit_kernels.numba_compiles``); nothing where numba is missing or every kernel came from its cache."""
-    try:
-        compiles = load_kernels("numba_compiles")
-    except BackendError:
-        yield
-        return
-    with compiles.announce(say):
-        yield
 
 
 def kernels_module(face: str, kernels: str) -> str:

@@ -290,9 +290,9 @@ def run_demo(
         "registration_seconds", "total_seconds", "device"}`` (Dice: mean over the AAL labels present in both maps;
         folds and SDlogJ with the Learn2Reg definitions, from ``metrics.json``).
     """
-    from regkit._backend import announce_compiles
     from regkit.config import load_config
     from regkit.io import write_image
+    from regkit.process import announce_compiles
     from regkit.registration import register
     from regkit.results import OUTPUT_FILES, check_output_dir, write_outputs
     from regkit.spatial.metrics import mean_dice

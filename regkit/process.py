@@ -22,6 +22,8 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 OPT_OUT = "REGKIT_PROCESS_SETTINGS"
@@ -98,6 +100,21 @@ def configure_caches(root: str | os.PathLike | None = None) -> dict[str, str]:
     if numba is not None:  # imported already: its configuration read the environment at that time
         numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
     return {k: os.environ[k] for k in ("NUMBA_CACHE_DIR", "TRITON_CACHE_DIR") if k in os.environ}
+
+
+@contextmanager
+def announce_compiles(say: Callable[[str], None]) -> Iterator[None]:
+    """While the block runs, ``say`` a line before the CPU kernels' first compile and one with its duration at the end
+    (``regkit_kernels.numba_compiles``); nothing where numba is missing or every kernel came from its cache."""
+    from regkit._backend import BackendError, load_kernels
+
+    try:
+        compiles = load_kernels("numba_compiles")
+    except BackendError:
+        yield
+        return
+    with compiles.announce(say):
+        yield
 
 
 def configure_process() -> None:

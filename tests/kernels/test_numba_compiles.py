@@ -4,7 +4,7 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
-from regkit._backend import announce_compiles  # noqa: E402
+from regkit.process import announce_compiles  # noqa: E402
 from regkit_kernels.numba_compiles import NOTICE  # noqa: E402
 
 

@@ -56,10 +56,10 @@ def register(
 
     import torch
 
-    from regkit._backend import announce_compiles
     from regkit.config import DEFAULT_PRESETS, load_config
     from regkit.errors import RegkitError
     from regkit.io import read_registration_inputs
+    from regkit.process import announce_compiles
     from regkit.registration import register as run_registration
     from regkit.results import OUTPUT_FILES, check_output_dir, field_of_view_overlap, write_outputs
     from regkit_cli.terminal import RegistrationBar, summary_lines
