@@ -4,7 +4,8 @@ fresh process, the two interleaved so that a drift of the machine's load tilts n
     python benchmarks/scripts/api_vs_cli.py [--rounds 3] [--device cpu] [--out benchmarks/results/api-vs-cli.md]
 
 Writes the pair once with ``regkit demo``, warms numba's cache with one untimed run of each, then runs ``rounds``
-rounds of (CLI, Python). The CLI's figure is ``runtime.total_seconds`` of its ``metrics.json``, the snippet's is
+rounds of (CLI, Python, Python with ``REGKIT_PROCESS_SETTINGS=0``: the library without the process settings that the
+CLI makes, as a baseline). The CLI's figure is ``runtime.total_seconds`` of its ``metrics.json``, the snippet's is
 ``result.seconds``: both time ``regkit.register`` alone.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -35,9 +37,10 @@ def cli_seconds(inputs: Path, out: Path, device: str) -> float:
     return json.loads((out / "metrics.json").read_text())["runtime"]["total_seconds"]
 
 
-def api_seconds(inputs: Path, device: str) -> float:
+def api_seconds(inputs: Path, device: str, settings: bool = True) -> float:
     code = SNIPPET.format(fixed=str(inputs / "fixed.nii.gz"), moving=str(inputs / "moving.nii.gz"), device=device)
-    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    env = {**os.environ, "REGKIT_PROCESS_SETTINGS": "1" if settings else "0"}
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env)
     return float(done.stdout.split()[-1])
 
 
@@ -55,8 +58,9 @@ def main() -> None:
         api_seconds(inputs, args.device)
         rows = []
         for _ in range(args.rounds):
-            rows.append((cli_seconds(inputs, root / "cli", args.device), api_seconds(inputs, args.device)))
-    cli, api = (statistics.median(column) for column in zip(*rows, strict=True))
+            cli = cli_seconds(inputs, root / "cli", args.device)
+            rows.append((cli, api_seconds(inputs, args.device), api_seconds(inputs, args.device, settings=False)))
+    cli, api, bare = (statistics.median(column) for column in zip(*rows, strict=True))
     lines = [
         "# The README's Python snippet against `regkit register` (demo pair, demo preset)",
         "",
@@ -64,10 +68,10 @@ def main() -> None:
         f"{time.strftime('%Y-%m-%d')}, {platform.machine()} {platform.system()}, Python {platform.python_version()}; "
         "registration seconds, each run a fresh process, rounds interleaved.",
         "",
-        "| round | CLI s | Python s | Python / CLI |",
-        "|---|---|---|---|",
-        *(f"| {i + 1} | {c:.2f} | {a:.2f} | {a / c:.3f} |" for i, (c, a) in enumerate(rows)),
-        f"| median | {cli:.2f} | {api:.2f} | {api / cli:.3f} |",
+        "| round | CLI s | Python s | Python / CLI | Python without the settings s | / CLI |",
+        "|---|---|---|---|---|---|",
+        *(f"| {i + 1} | {c:.2f} | {a:.2f} | {a / c:.3f} | {b:.2f} | {b / c:.3f} |" for i, (c, a, b) in enumerate(rows)),
+        f"| median | {cli:.2f} | {api:.2f} | {api / cli:.3f} | {bare:.2f} | {bare / cli:.3f} |",
         "",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
