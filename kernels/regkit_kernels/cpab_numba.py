@@ -29,7 +29,7 @@ import numba
 import numpy as np
 import torch
 
-from regkit_kernels._numba import use_torch_threads
+from regkit_kernels._numba import parallel_for, torch_threads
 
 _TAYLOR_DEGREE = 12
 _TAYLOR_NORM = 0.25  # scale the linear part of h Ã by 2^-s until its 1-norm is at most this: degree 12 then leaves
@@ -42,7 +42,7 @@ _LANES = 8  # cells computed side by side (SIMD lanes, innermost) by the matrix-
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """``out = a @ b`` lane by lane for ``(m, m, _LANES)`` arrays (the lanes innermost: one SIMD operation each)."""
     m = a.shape[0]
@@ -73,14 +73,6 @@ def _squarings(X: np.ndarray) -> int:
     if norm <= _TAYLOR_NORM:
         return 0
     return math.ceil(math.log2(norm / _TAYLOR_NORM))
-
-
-@numba.njit(cache=True, inline="always")
-def _all_zero(values: np.ndarray) -> bool:
-    for v in values:
-        if v != 0:
-            return False
-    return True
 
 
 @numba.njit(cache=True)
@@ -156,54 +148,50 @@ def _expm_frechet(
                     P[i, j, w] = tmp[i, j, w]
 
 
-@numba.njit(parallel=True, cache=True)
-def _step_matrices_kernel(A: np.ndarray, h: float, E: np.ndarray, tol: float) -> None:
-    """``E[c] = expm(h [A_c; 0])[:n]`` for ``A (K, n, n + 1)`` float64, ``E`` in any float dtype; ``_LANES`` cells at
-    a time (lanes past ``K`` hold zeros)."""
-    K, n, m = A.shape
-    for block in numba.prange((K + _LANES - 1) // _LANES):
-        X = np.zeros((m, m, _LANES))
-        P = np.empty((m, m, _LANES))
-        work = np.empty((5, m, m, _LANES))
-        first = block * _LANES
-        for w in range(min(_LANES, K - first)):
-            for i in range(n):
-                for j in range(m):
-                    X[i, j, w] = h * A[first + w, i, j]
-        _expm_frechet(X, X, P, P, work, tol, False)
-        for w in range(min(_LANES, K - first)):
-            for i in range(n):
-                for j in range(m):
-                    E[first + w, i, j] = P[i, j, w]
-
-
-@numba.njit(parallel=True, cache=True)
-def _step_matrices_vjp_kernel(
-    A: np.ndarray, h: float, grad_E: np.ndarray, cells: np.ndarray, grad_A: np.ndarray, tol: float
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _exponentials(
+    first: int,
+    last: int,
+    A: np.ndarray,
+    h: float,
+    grad_E: np.ndarray,
+    cells: np.ndarray,
+    out: np.ndarray,
+    tol: float,
+    adjoint: bool,
 ) -> None:
-    """``dL/dA`` from ``dL/dE`` for ``E = expm(h [A; 0])[:n]``: ``h L((h Ã)^T, [dL/dE; 0])[:n]``, float64
-    ``(K, n, m)``, for the ``cells`` listed (the others' rows of ``grad_A`` are left alone), ``_LANES`` at a time."""
+    """For the ``cells`` listed, ``_LANES`` at a time (blocks ``first`` to ``last - 1`` of them; lanes past the last
+    cell hold zeros; the other rows of ``out`` are left alone), from ``A (K, n, n + 1)``: the step matrices ``out[c] =
+    expm(h [A_c; 0])[:n]`` or, when ``adjoint``, ``dL/dA_c = out[c] = h L((h Ã_c)^T, [dL/dE_c; 0])[:n]`` from
+    ``grad_E (K, n, n + 1)`` (not read otherwise). All arrays float64. One kernel for both directions, so that numba
+    compiles it and ``_expm_frechet`` once."""
     _, n, m = A.shape
     count = cells.shape[0]
-    for block in numba.prange((count + _LANES - 1) // _LANES):
-        X = np.zeros((m, m, _LANES))
-        G = np.zeros((m, m, _LANES))
-        P = np.empty((m, m, _LANES))
-        Q = np.empty((m, m, _LANES))
-        work = np.empty((5, m, m, _LANES))
-        first = block * _LANES
-        for w in range(min(_LANES, count - first)):
-            c = cells[first + w]
+    X = np.empty((m, m, _LANES))
+    G = np.empty((m, m, _LANES))
+    P = np.empty((m, m, _LANES))
+    Q = np.empty((m, m, _LANES))
+    work = np.empty((5, m, m, _LANES))
+    for block in range(first, last):
+        X[:] = 0.0
+        G[:] = 0.0
+        start = block * _LANES
+        lanes = min(_LANES, count - start)
+        for w in range(lanes):
+            c = cells[start + w]
             for i in range(n):
                 for j in range(m):
-                    X[j, i, w] = h * A[c, i, j]
-                    G[i, j, w] = grad_E[c, i, j]
-        _expm_frechet(X, G, P, Q, work, tol, True)
-        for w in range(min(_LANES, count - first)):
-            c = cells[first + w]
+                    if adjoint:
+                        X[j, i, w] = h * A[c, i, j]
+                        G[i, j, w] = grad_E[c, i, j]
+                    else:
+                        X[i, j, w] = h * A[c, i, j]
+        _expm_frechet(X, G, P, Q, work, tol, adjoint)
+        for w in range(lanes):
+            c = cells[start + w]
             for i in range(n):
                 for j in range(m):
-                    grad_A[c, i, j] = h * Q[i, j, w]
+                    out[c, i, j] = h * Q[i, j, w] if adjoint else P[i, j, w]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -224,17 +212,17 @@ def _axis(x: Any, lower: Any, extent: Any, count: Any, zero: Any, one: Any) -> t
 
 
 @numba.njit(cache=True, inline="always")
-def _cell2(x0: Any, x1: Any, geom: np.ndarray, nx: int) -> int:
-    zero, one = geom[6], geom[7]
-    i, lx = _axis(x0, geom[0], geom[2], geom[4], zero, one)
-    j, ly = _axis(x1, geom[1], geom[3], geom[5], zero, one)
+def _cell2(x0: Any, x1: Any, geom: tuple[Any, ...], nx: int) -> int:
+    zero, one = geom[9], geom[10]
+    i, lx = _axis(x0, geom[0], geom[3], geom[6], zero, one)
+    j, ly = _axis(x1, geom[1], geom[4], geom[7], zero, one)
     above_main = ly > lx
     above_anti = ly > one - lx
     return 4 * (i + nx * j) + 2 * int(above_main) + int(above_main != above_anti)
 
 
 @numba.njit(cache=True, inline="always")
-def _cell3(x0: Any, x1: Any, x2: Any, geom: np.ndarray, nx: int, ny: int) -> int:
+def _cell3(x0: Any, x1: Any, x2: Any, geom: tuple[Any, ...], nx: int, ny: int) -> int:
     zero, one, two = geom[9], geom[10], geom[11]
     i, lx = _axis(x0, geom[0], geom[3], geom[6], zero, one)
     j, ly = _axis(x1, geom[1], geom[4], geom[7], zero, one)
@@ -246,13 +234,23 @@ def _cell3(x0: Any, x1: Any, x2: Any, geom: np.ndarray, nx: int, ny: int) -> int
     return 5 * (i + nx * (j + ny * k)) + local
 
 
-@numba.njit(parallel=True, cache=True)
-def _forward2(points: np.ndarray, E: np.ndarray, geom: np.ndarray, nx: int, steps: int, out: np.ndarray) -> None:
-    B, N = out.shape[0], out.shape[1]
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _forward2(
+    first: int,
+    last: int,
+    points: np.ndarray,
+    E: np.ndarray,
+    geom: tuple[Any, ...],
+    nx: int,
+    steps: int,
+    out: np.ndarray,
+) -> None:
+    """End points ``out (B, N, 2)`` of points ``first`` to ``last - 1`` of every batch element."""
+    B = out.shape[0]
     shared = points.shape[0] == 1
     for b in range(B):
         src = 0 if shared else b
-        for p in numba.prange(N):
+        for p in range(first, last):
             x0, x1 = points[src, p, 0], points[src, p, 1]
             for _ in range(steps):
                 c = _cell2(x0, x1, geom, nx)
@@ -263,15 +261,24 @@ def _forward2(points: np.ndarray, E: np.ndarray, geom: np.ndarray, nx: int, step
             out[b, p, 0], out[b, p, 1] = x0, x1
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _forward3(
-    points: np.ndarray, E: np.ndarray, geom: np.ndarray, nx: int, ny: int, steps: int, out: np.ndarray
+    first: int,
+    last: int,
+    points: np.ndarray,
+    E: np.ndarray,
+    geom: tuple[Any, ...],
+    nx: int,
+    ny: int,
+    steps: int,
+    out: np.ndarray,
 ) -> None:
-    B, N = out.shape[0], out.shape[1]
+    """End points ``out (B, N, 3)`` of points ``first`` to ``last - 1`` of every batch element."""
+    B = out.shape[0]
     shared = points.shape[0] == 1
     for b in range(B):
         src = 0 if shared else b
-        for p in numba.prange(N):
+        for p in range(first, last):
             x0, x1, x2 = points[src, p, 0], points[src, p, 1], points[src, p, 2]
             for _ in range(steps):
                 c = _cell3(x0, x1, x2, geom, nx, ny)
@@ -283,11 +290,13 @@ def _forward3(
             out[b, p, 0], out[b, p, 1], out[b, p, 2] = x0, x1, x2
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _backward(
+    first_task: int,
+    last_task: int,
     points: np.ndarray,
     E: np.ndarray,
-    geom: np.ndarray,
+    geom: tuple[Any, ...],
     nx: int,
     ny: int,
     steps: int,
@@ -296,13 +305,14 @@ def _backward(
     moments: np.ndarray,
     want_moments: bool,
 ) -> None:
-    """Per point: recompute the trajectory, sweep the adjoint back; ``moments (tasks, B, C, n, n + 1)`` float64, one
-    table per task (the points split into ``tasks`` contiguous ranges)."""
+    """Per point of tasks ``first_task`` to ``last_task - 1``: recompute the trajectory, sweep the adjoint back;
+    ``moments (tasks, B, C, n, n + 1)`` float64, one table per task (the points split into ``tasks`` contiguous
+    ranges)."""
     B, N, n = grad_out.shape
     tasks = moments.shape[0]
     shared = points.shape[0] == 1
     total = B * N
-    for task in numba.prange(tasks):
+    for task in range(first_task, last_task):
         xs = np.empty((steps + 1, n), dtype=grad_out.dtype)
         cells = np.empty(steps, dtype=np.int64)
         lam = np.empty(n, dtype=grad_out.dtype)
@@ -314,7 +324,10 @@ def _backward(
             p += 1  # (b, p) walks the task's range without an integer division per point
             if p == N:
                 b, p = b + 1, 0
-            if _all_zero(grad_out[b, p]):  # lambda stays 0: no moment, no point gradient (background voxels)
+            moved = False  # whether dL/dx_T is not zero (else lambda stays 0: no moment, no point gradient)
+            for i in range(n):
+                moved = moved or grad_out[b, p, i] != 0
+            if not moved:  # the background voxels
                 for i in range(n):
                     grad_points[b, p, i] = 0.0
                 continue
@@ -363,38 +376,51 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 1e-17 if dtype == torch.float64 else 1e-10
 
 
+def _blocks(cells: np.ndarray) -> int:
+    """How many blocks of ``_LANES`` cells :func:`_exponentials` takes for ``cells``."""
+    return (cells.shape[0] + _LANES - 1) // _LANES
+
+
 def step_matrices(A: torch.Tensor, h: float) -> torch.Tensor:
     """Per-cell step matrices ``E (..., C, n, n + 1)`` = the top ``n`` rows of ``expm(h [A_c; 0])``, in ``A``'s dtype
-    (computed in float64, to ``_tolerance(dtype)``). ``A (..., C, n, n + 1)``: the cells' affine velocities, domain
-    coordinates. Not differentiable (:class:`CPABIntegrateNumba` differentiates through :func:`step_matrices_vjp`)."""
-    use_torch_threads()
-    flat = A.detach().reshape(-1, *A.shape[-2:]).to(torch.float64).contiguous()
-    E = torch.empty(flat.shape, dtype=A.dtype)
-    _step_matrices_kernel(flat.numpy(), float(h), E.numpy(), _tolerance(A.dtype))
-    return E.view(A.shape)
+    (computed in float64, to ``_tolerance(dtype)``, and rounded once to ``A``'s dtype). ``A (..., C, n, n + 1)``: the
+    cells' affine velocities, domain coordinates. Not differentiable (:class:`CPABIntegrateNumba` differentiates
+    through :func:`step_matrices_vjp`)."""
+    flat = A.detach().reshape(-1, *A.shape[-2:]).to(torch.float64).contiguous().numpy()
+    E = np.empty_like(flat)
+    cells = np.arange(flat.shape[0])
+    no_grad = np.empty((0, *flat.shape[1:]))
+    parallel_for(_exponentials, _blocks(cells), flat, float(h), no_grad, cells, E, _tolerance(A.dtype), False)
+    return torch.from_numpy(E).to(A.dtype).view(A.shape)
 
 
 def step_matrices_vjp(A: torch.Tensor, h: float, grad_E: torch.Tensor) -> torch.Tensor:
     """``dL/dA`` for ``dL/dE`` through :func:`step_matrices` (the adjoint of the matrix exponential), float64 inside,
     returned in ``A``'s dtype and shape."""
-    use_torch_threads()
     flat_A = A.detach().reshape(-1, *A.shape[-2:]).to(torch.float64).contiguous()
     flat_grad = grad_E.reshape(flat_A.shape).to(torch.float64).contiguous()
     out = torch.zeros_like(flat_A)
     # the adjoint is linear in dL/dE: cells no point moved through keep zeros
     cells = flat_grad.flatten(1).ne(0).any(1).nonzero()[:, 0].numpy()
-    _step_matrices_vjp_kernel(flat_A.numpy(), float(h), flat_grad.numpy(), cells, out.numpy(), _tolerance(A.dtype))
+    parallel_for(
+        _exponentials, _blocks(cells), flat_A.numpy(), float(h), flat_grad.numpy(), cells, out.numpy(),
+        _tolerance(A.dtype), True,
+    )  # fmt: skip
     return out.to(A.dtype).view(A.shape)
 
 
-def _geometry(tess: Any, dtype: torch.dtype) -> np.ndarray:
-    """``[lower (n), extent (n), counts (n), 0, 1(, 2)]`` in ``dtype``, rounded as ``Tessellation.locate`` rounds
-    them (``extent = upper - lower`` computed in ``dtype``); the constants keep the kernels' arithmetic in ``dtype``."""
-    lower = torch.tensor(tess.lower, dtype=dtype)
-    extent = torch.tensor(tess.upper, dtype=dtype) - lower
-    counts = torch.tensor(tuple(map(float, tess.shape)), dtype=dtype)
-    constants = torch.tensor([0.0, 1.0, 2.0][: len(tess.shape)], dtype=dtype)
-    return torch.cat([lower, extent, counts, constants]).numpy()
+def _geometry(tess: Any, dtype: torch.dtype) -> tuple[Any, ...]:
+    """``(lower (3), extent (3), counts (3), 0, 1, 2)``, (x, y, z) order, as numpy scalars of ``dtype``, rounded as
+    ``Tessellation.locate`` rounds them (``extent = upper - lower`` computed in ``dtype``); a 2D tessellation's z
+    entries are 0, 1, 1 (unused). The constants keep the kernels' arithmetic in ``dtype``. A tuple of one length for
+    2D and 3D: the cell lookup reads its entries without an array's reference counting (per point and step), and one
+    compiled :func:`_backward` serves both."""
+    pad = 3 - len(tess.shape)
+    lower = torch.tensor((*tess.lower, *(0.0,) * pad), dtype=dtype)
+    extent = torch.tensor((*tess.upper, *(1.0,) * pad), dtype=dtype) - lower
+    counts = torch.tensor((*map(float, tess.shape), *(1.0,) * pad), dtype=dtype)
+    constants = torch.tensor([0.0, 1.0, 2.0], dtype=dtype)
+    return tuple(torch.cat([lower, extent, counts, constants]).numpy())
 
 
 def _source(points: torch.Tensor) -> torch.Tensor:
@@ -405,14 +431,13 @@ def _source(points: torch.Tensor) -> torch.Tensor:
 def integrate_forward(points: torch.Tensor, E: torch.Tensor, tess: Any, steps: int) -> torch.Tensor:
     """End points ``(B, N, n)`` of ``steps`` scheme steps from ``points (B, N, n)`` (the batch may be a stride-0
     broadcast) with step matrices ``E (B, C, n, n + 1)`` of the same dtype; domain coordinates."""
-    use_torch_threads()
     B, N, n = points.shape
     out = torch.empty((B, N, n), dtype=points.dtype)
     source, table, geom = _source(points).numpy(), E.detach().contiguous().numpy(), _geometry(tess, points.dtype)
     if n == 2:
-        _forward2(source, table, geom, tess.shape[0], steps, out.numpy())
+        parallel_for(_forward2, N, source, table, geom, tess.shape[0], steps, out.numpy())
     else:
-        _forward3(source, table, geom, tess.shape[0], tess.shape[1], steps, out.numpy())
+        parallel_for(_forward3, N, source, table, geom, tess.shape[0], tess.shape[1], steps, out.numpy())
     return out
 
 
@@ -421,15 +446,15 @@ def integrate_backward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The factorized adjoint for ``grad_out = dL/dx_T (B, N, n)``: ``dL/dpoints (B, N, n)`` and, when ``moments``,
     ``dL/dE (B, C, n, n + 1)`` (the per-cell moments ``sum lambda_{s+1} [x_s; 1]^T``, summed in float64)."""
-    threads = use_torch_threads()
+    threads = torch_threads()
     B, N, n = grad_out.shape
     grad_points = torch.empty((B, N, n), dtype=grad_out.dtype)
     tasks = max(1, min(threads, B * N // 4096)) if moments else max(1, min(4 * threads, B * N // 4096))
     table = np.zeros((tasks, *E.shape) if moments else (tasks, 0, 0, 0, 0))
     ny = tess.shape[1] if n == 3 else 1
-    _backward(
-        _source(points).numpy(), E.detach().contiguous().numpy(), _geometry(tess, E.dtype), tess.shape[0], ny, steps,
-        grad_out.detach().contiguous().numpy(), grad_points.numpy(), table, moments,
+    parallel_for(
+        _backward, tasks, _source(points).numpy(), E.detach().contiguous().numpy(), _geometry(tess, E.dtype),
+        tess.shape[0], ny, steps, grad_out.detach().contiguous().numpy(), grad_points.numpy(), table, moments,
     )  # fmt: skip
     if not moments:
         return grad_points, None

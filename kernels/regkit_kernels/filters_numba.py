@@ -17,16 +17,19 @@ import numba
 import numpy as np
 import torch
 
-from regkit_kernels._numba import use_torch_threads
+from regkit_kernels._numba import parallel_for
 
 
-@numba.njit(parallel=True, cache=True)
-def _correlate(src: np.ndarray, dst: np.ndarray, kernel: np.ndarray, axis: int, edge: bool) -> None:
-    """``dst = `` the correlation of ``src (P, Z, Y, X)`` along ``axis`` (1: z, 2: y, 3: x) with the odd ``kernel``;
-    beyond the border the signal is zero, or the border value when ``edge``."""
-    P, Z, Y, X = src.shape
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _correlate(
+    first: int, last: int, src: np.ndarray, dst: np.ndarray, kernel: np.ndarray, axis: int, edge: bool
+) -> None:
+    """``dst = `` the correlation of ``src (P, Z, Y, X)`` along ``axis`` (1: z, 2: y, 3: x) with the odd ``kernel``,
+    for the planes ``first`` to ``last - 1`` of the ``P Z`` (p, z) planes; beyond the border the signal is zero, or the
+    border value when ``edge``."""
+    Z, Y, X = src.shape[1:]
     r = kernel.shape[0] // 2
-    for pz in numba.prange(P * Z):
+    for pz in range(first, last):
         p, z = pz // Z, pz % Z
         for y in range(Y):
             for x in range(X):
@@ -57,13 +60,14 @@ def _correlate(src: np.ndarray, dst: np.ndarray, kernel: np.ndarray, axis: int, 
                         dst[p, z, y, x] += w * src[p, q, y, x]
 
 
-@numba.njit(parallel=True, cache=True)
-def _box_planes(src: np.ndarray, dst: np.ndarray, rx: int, ry: int) -> None:
-    """``dst = `` the 2D box sum of each plane of ``src (N, Y, X)`` (C-contiguous) with half-widths ``rx, ry``, zero
-    beyond the border. Per plane: a running sum along each x row into a plane buffer (two operations per voxel), then
-    each output row adds the ``2 ry + 1`` buffered rows it covers, the x loop innermost so that it vectorises."""
-    N, Y, X = src.shape
-    for n in numba.prange(N):
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _box_planes(first: int, last: int, src: np.ndarray, dst: np.ndarray, rx: int, ry: int) -> None:
+    """``dst = `` the 2D box sum of planes ``first`` to ``last - 1`` of ``src (N, Y, X)`` (C-contiguous) with
+    half-widths ``rx, ry``, zero beyond the border. Per plane: a running sum along each x row into a plane buffer (two
+    operations per voxel), then each output row adds the ``2 ry + 1`` buffered rows it covers, the x loop innermost so
+    that it vectorises."""
+    Y, X = src.shape[1:]
+    for n in range(first, last):
         rows = np.empty((Y, X), dtype=src.dtype)
         for y in range(Y):
             acc = src.dtype.type(0)
@@ -87,14 +91,15 @@ def _box_planes(src: np.ndarray, dst: np.ndarray, rx: int, ry: int) -> None:
 _LINE_CHUNK = 1024  # voxels of a z line bundle: one bundle's running sums stay in L1
 
 
-@numba.njit(parallel=True, cache=True)
-def _box_lines(src: np.ndarray, dst: np.ndarray, rz: int) -> None:
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _box_lines(first: int, last: int, src: np.ndarray, dst: np.ndarray, rz: int) -> None:
     """``dst = `` the box sum of ``src (P, Z, M)`` (C-contiguous) along its axis 1 with half-width ``rz``, zero beyond
-    the border: running sums over bundles of ``_LINE_CHUNK`` neighbouring z lines (add the plane entering the window,
-    subtract the one leaving it), the bundles in parallel."""
-    P, Z, M = src.shape
+    the border, for bundles ``first`` to ``last - 1`` of the ``P ceil(M / _LINE_CHUNK)`` bundles of up to
+    ``_LINE_CHUNK`` neighbouring z lines: running sums over a bundle (add the plane entering the window, subtract the
+    one leaving it)."""
+    Z, M = src.shape[1:]
     chunks = (M + _LINE_CHUNK - 1) // _LINE_CHUNK
-    for job in numba.prange(P * chunks):
+    for job in range(first, last):
         p, m0 = job // chunks, (job % chunks) * _LINE_CHUNK
         m1 = min(M, m0 + _LINE_CHUNK)
         acc = np.zeros(m1 - m0, dtype=src.dtype)
@@ -115,13 +120,12 @@ def _box_lines(src: np.ndarray, dst: np.ndarray, rz: int) -> None:
 def _correlation(kernel: torch.Tensor, axis: int, edge: bool) -> Callable[[np.ndarray, np.ndarray], None]:
     """A pass of :func:`_correlate` with ``kernel`` along ``axis``."""
     weights = kernel.contiguous().numpy()
-    return lambda src, dst: _correlate(src, dst, weights, axis, edge)
+    return lambda src, dst: parallel_for(_correlate, src.shape[0] * src.shape[1], src, dst, weights, axis, edge)
 
 
 def _passes(image: torch.Tensor, passes: list[Callable[[np.ndarray, np.ndarray], None]]) -> torch.Tensor:
     """Run ``passes`` (each ``(src, dst)`` over ``(P, Z, Y, X)`` arrays) one after the other on a CPU ``image
     (B, C, *spatial)``; same shape and dtype; the caller's image is never written."""
-    use_torch_threads()
     spatial = image.shape[2:]
     src = image.detach().reshape(-1, *((1,) * (3 - len(spatial))), *spatial).contiguous().numpy()
     out, spare = src, np.empty_like(src)
@@ -136,17 +140,19 @@ def box_sums(image: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     zero outside the image; same shape and dtype. Running sums along x and z, direct sums of whole rows along y (float
     error grows with the x and z lengths, about 1e-6 relative in float32 for a few hundred voxels). Not
     differentiable."""
-    use_torch_threads()
     radii = [k // 2 for k in sizes] + [0] * (3 - len(sizes))
     Y, X = image.shape[-2:]
     src = image.detach().contiguous().numpy()
     planes = np.empty_like(src)
-    _box_planes(src.reshape(-1, Y, X), planes.reshape(-1, Y, X), radii[0], radii[1])
+    planes_in = src.reshape(-1, Y, X)
+    parallel_for(_box_planes, planes_in.shape[0], planes_in, planes.reshape(-1, Y, X), radii[0], radii[1])
     if image.dim() == 4 or radii[2] == 0:
         return torch.from_numpy(planes)
     out = np.empty_like(src)
     Z = image.shape[2]
-    _box_lines(planes.reshape(-1, Z, Y * X), out.reshape(-1, Z, Y * X), radii[2])
+    lines = planes.reshape(-1, Z, Y * X)
+    bundles = lines.shape[0] * ((Y * X + _LINE_CHUNK - 1) // _LINE_CHUNK)
+    parallel_for(_box_lines, bundles, lines, out.reshape(-1, Z, Y * X), radii[2])
     return torch.from_numpy(out)
 
 

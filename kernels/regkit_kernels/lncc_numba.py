@@ -10,7 +10,9 @@ moments (``w, w f, w g, w f^2, w g^2, w f g``) in one pass, box-sums all of them
 forms its four (or seven, with the gradient for ``f``) adjoint maps in one pass, box-sums them in one call and
 combines them in a last pass. The formulas are those of ``regkit.similarity._LocalCC2`` (its docstring derives the
 gradient); the results equal the PyTorch face's up to float rounding (different summation orders, float64 for the
-scalar factors).
+scalar factors). Each per-voxel kernel takes a range ``[first, last)`` of the flat index ``p V + v`` over the ``P = B
+C`` planes of ``V`` voxels, which ``regkit_kernels._numba.parallel_for`` splits over the threads (over voxels, not
+planes: a registration has one plane).
 """
 
 from __future__ import annotations
@@ -21,18 +23,18 @@ import numba
 import numpy as np
 import torch
 
-from regkit_kernels._numba import use_torch_threads
+from regkit_kernels._numba import parallel_for
 from regkit_kernels.filters_numba import box_sums
 
 _TINY = 1e-12  # floor of a window's weight sum (regkit.similarity._TINY)
 
 
-@numba.njit(parallel=True, cache=True)
-def _moments(f: np.ndarray, g: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _moments(first: int, last: int, f: np.ndarray, g: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
     """``out[p] = (w, w f, w g, w f f, w g g, w f g)`` for planes ``f, g (P, V)``, weights ``w (Pw, V)`` (plane
     ``p`` takes row ``p * Pw // P``: one row per batch element), ``out (P, 6, V)``."""
     P, V = f.shape
-    for pv in numba.prange(P * V):  # over voxels, not planes: a registration has one plane
+    for pv in range(first, last):
         p, v = pv // V, pv % V
         wv, fv, gv = w[p * w.shape[0] // P, v], f[p, v], g[p, v]
         out[p, 0, v] = wv
@@ -43,11 +45,11 @@ def _moments(f: np.ndarray, g: np.ndarray, w: np.ndarray, out: np.ndarray) -> No
         out[p, 5, v] = wv * fv * gv
 
 
-@numba.njit(parallel=True, cache=True)
-def _statistics(sums: np.ndarray, eps: float, cc2: np.ndarray) -> None:
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _statistics(first: int, last: int, sums: np.ndarray, eps: float, cc2: np.ndarray) -> None:
     """Box sums ``(P, 6, V)`` -> in place ``(count, mean_f, mean_g, var_f, var_g, cov)``; ``cc2 (P, V)``."""
-    P, _, V = sums.shape
-    for pv in numba.prange(P * V):
+    V = sums.shape[2]
+    for pv in range(first, last):
         p, v = pv // V, pv % V
         count = max(sums[p, 0, v], _TINY)
         mf, mg = sums[p, 1, v] / count, sums[p, 2, v] / count
@@ -59,13 +61,15 @@ def _statistics(sums: np.ndarray, eps: float, cc2: np.ndarray) -> None:
         sums[p, 3, v], sums[p, 4, v], sums[p, 5, v] = var_f, var_g, cov
 
 
-@numba.njit(parallel=True, cache=True)
-def _adjoint_maps(stats: np.ndarray, grad: np.ndarray, eps: float, need_f: bool, out: np.ndarray) -> None:
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _adjoint_maps(
+    first: int, last: int, stats: np.ndarray, grad: np.ndarray, eps: float, need_f: bool, out: np.ndarray
+) -> None:
     """Per window centre, from the statistics ``(P, 6, V)`` and ``dL/dcc2 (P, V)``: ``out (P, 4 | 7, V)`` =
     ``a, a mean_f, b_g, b_g mean_g`` (and ``a mean_g, b_f, b_f mean_f`` when ``need_f``), where
     ``a = 2 cov grad / (V_f V_g count)`` and ``b_x = a cov / V_x [var_x >= 0]`` (``V = max(var, 0) + eps``)."""
-    P, _, V = stats.shape
-    for pv in numba.prange(P * V):
+    V = stats.shape[2]
+    for pv in range(first, last):
         p, v = pv // V, pv % V
         count, mf, mg = stats[p, 0, v], stats[p, 1, v], stats[p, 2, v]
         var_f, var_g, cov = stats[p, 3, v], stats[p, 4, v], stats[p, 5, v]
@@ -83,13 +87,21 @@ def _adjoint_maps(stats: np.ndarray, grad: np.ndarray, eps: float, need_f: bool,
             out[p, 6, v] = b_f * mf
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _combine(
-    f: np.ndarray, g: np.ndarray, w: np.ndarray, boxed: np.ndarray, need_f: bool, grad_f: np.ndarray, grad_g: np.ndarray
+    first: int,
+    last: int,
+    f: np.ndarray,
+    g: np.ndarray,
+    w: np.ndarray,
+    boxed: np.ndarray,
+    need_f: bool,
+    grad_f: np.ndarray,
+    grad_g: np.ndarray,
 ) -> None:
     """``grad_g = w (f box(a) - box(a mf) - g box(b_g) + box(b_g mg))`` and, when ``need_f``, the same for ``f``."""
     P, V = f.shape
-    for pv in numba.prange(P * V):
+    for pv in range(first, last):
         p, v = pv // V, pv % V
         wp = p * w.shape[0] // P
         wv, fv, gv = w[wp, v], f[p, v], g[p, v]
@@ -116,15 +128,14 @@ def local_cc2(
     """The squared local NCC map ``(B, C, *spatial)`` of CPU images ``f, g`` with weights ``w (B | 1, 1, *spatial)``
     over ``window`` (odd, index order), and the window statistics ``(B C, 6, voxels)`` for :func:`local_cc2_backward`.
     Not differentiable by itself (``regkit.similarity._LocalCC2`` wraps it)."""
-    use_torch_threads()
     f_np, g_np, w_np = _planes(f), _planes(g), _planes(w)
     P, V = f_np.shape
     spatial = tuple(f.shape[2:])
     moments = np.empty((P, 6, V), dtype=f_np.dtype)
-    _moments(f_np, g_np, w_np, moments)
+    parallel_for(_moments, P * V, f_np, g_np, w_np, moments)
     stats = _box(moments, spatial, window)
     cc2 = np.empty((P, V), dtype=f_np.dtype)
-    _statistics(stats, float(eps), cc2)
+    parallel_for(_statistics, P * V, stats, float(eps), cc2)
     return torch.from_numpy(cc2).view(f.shape), stats
 
 
@@ -140,13 +151,12 @@ def local_cc2_backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``dL/df`` (when ``need_f``, else None) and ``dL/dg`` for ``grad = dL/dcc2 (B, C, *spatial)``, from the
     statistics :func:`local_cc2` returned (the weights are constants)."""
-    use_torch_threads()
     f_np, g_np, w_np = _planes(f), _planes(g), _planes(w)
     P, V = f_np.shape
     maps = np.empty((P, 7 if need_f else 4, V), dtype=f_np.dtype)
-    _adjoint_maps(stats, _planes(grad), float(eps), need_f, maps)
+    parallel_for(_adjoint_maps, P * V, stats, _planes(grad), float(eps), need_f, maps)
     boxed = _box(maps, tuple(f.shape[2:]), window)
     grad_g = np.empty((P, V), dtype=f_np.dtype)
     grad_f = np.empty((P, V) if need_f else (0, 0), dtype=f_np.dtype)
-    _combine(f_np, g_np, w_np, boxed, need_f, grad_f, grad_g)
+    parallel_for(_combine, P * V, f_np, g_np, w_np, boxed, need_f, grad_f, grad_g)
     return (torch.from_numpy(grad_f).view(f.shape) if need_f else None), torch.from_numpy(grad_g).view(g.shape)

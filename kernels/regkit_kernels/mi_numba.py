@@ -16,7 +16,7 @@ import numba
 import numpy as np
 import torch
 
-from regkit_kernels._numba import use_torch_threads
+from regkit_kernels._numba import parallel_for, torch_threads
 
 
 @numba.njit(cache=True, inline="always")
@@ -40,12 +40,15 @@ def _spline(t: float, bins: int) -> tuple[int, float, float, float, float, float
     )
 
 
-@numba.njit(parallel=True, cache=True)
-def _histogram(t_f: np.ndarray, t_g: np.ndarray, w: np.ndarray, bins: int, tables: np.ndarray) -> None:
-    """``tables (tasks, K, bins, bins)`` float64: task ``j`` sums its share of the voxels of every image."""
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _histogram(
+    first_task: int, last_task: int, t_f: np.ndarray, t_g: np.ndarray, w: np.ndarray, bins: int, tables: np.ndarray
+) -> None:
+    """``tables (tasks, K, bins, bins)`` float64: task ``j`` (of ``first_task`` to ``last_task - 1``) sums its share
+    of the voxels of every image."""
     K, V = t_f.shape
     tasks = tables.shape[0]
-    for task in numba.prange(tasks):
+    for task in range(first_task, last_task):
         pf = np.empty(4)
         pg = np.empty(4)
         for k in range(K):
@@ -61,8 +64,10 @@ def _histogram(t_f: np.ndarray, t_g: np.ndarray, w: np.ndarray, bins: int, table
                         tables[task, k, a0 + a, b0 + b] += wa * pg[b]
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _histogram_backward(
+    first: int,
+    last: int,
     t_f: np.ndarray,
     t_g: np.ndarray,
     w: np.ndarray,
@@ -72,11 +77,11 @@ def _histogram_backward(
     grad_g: np.ndarray,
     grad_w: np.ndarray,
 ) -> None:
-    """Per voxel, from ``grad = dL/dH (K, bins, bins)``: ``dL/dt_f``, ``dL/dt_g`` and ``dL/dw`` (each written when
-    its array is not empty)."""
-    K, V = t_f.shape
+    """Per voxel ``k V + v`` from ``first`` to ``last - 1``, from ``grad = dL/dH (K, bins, bins)``: ``dL/dt_f``,
+    ``dL/dt_g`` and ``dL/dw`` (each written when its array is not empty)."""
+    V = t_f.shape[1]
     need_f, need_g, need_w = grad_f.shape[0] > 0, grad_g.shape[0] > 0, grad_w.shape[0] > 0
-    for kv in numba.prange(K * V):
+    for kv in range(first, last):
         k, v = kv // V, kv % V
         a0, f0, f1, f2, f3, df0, df1, df2, df3 = _spline(t_f[k, v], bins)
         b0, g0, g1, g2, g3, dg0, dg1, dg2, dg3 = _spline(t_g[k, v], bins)
@@ -111,9 +116,9 @@ def _array(x: torch.Tensor) -> np.ndarray:
 def joint_histogram(t_f: torch.Tensor, t_g: torch.Tensor, w: torch.Tensor, bins: int) -> torch.Tensor:
     """Joint histograms ``(images, bins, bins)`` of CPU intensities ``t_f, t_g (images, voxels)`` in [0, 1] with
     voxel weights ``w`` of the same shape, in their dtype (summed in float64). Not differentiable by itself."""
-    tasks = max(1, min(use_torch_threads(), t_f.shape[1] // 4096))
+    tasks = max(1, min(torch_threads(), t_f.shape[1] // 4096))
     tables = np.zeros((tasks, t_f.shape[0], bins, bins))
-    _histogram(_array(t_f), _array(t_g), _array(w), bins, tables)
+    parallel_for(_histogram, tasks, _array(t_f), _array(t_g), _array(w), bins, tables)
     return torch.from_numpy(tables.sum(axis=0)).to(t_f.dtype)
 
 
@@ -121,11 +126,12 @@ def joint_histogram_backward(
     t_f: torch.Tensor, t_g: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, bins: int, needs: tuple[bool, ...]
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``dL/dt_f``, ``dL/dt_g``, ``dL/dw`` (None where ``needs`` is false) for ``grad = dL/dH (images, bins, bins)``."""
-    use_torch_threads()
     K, V = t_f.shape
     dtype = _array(t_f).dtype
     grad_f, grad_g, grad_w = (np.empty((K, V) if need else (0, 0), dtype=dtype) for need in needs[:3])
-    _histogram_backward(_array(t_f), _array(t_g), _array(w), _array(grad), bins, grad_f, grad_g, grad_w)
+    parallel_for(
+        _histogram_backward, K * V, _array(t_f), _array(t_g), _array(w), _array(grad), bins, grad_f, grad_g, grad_w
+    )
     return (
         torch.from_numpy(grad_f) if needs[0] else None,
         torch.from_numpy(grad_g) if needs[1] else None,

@@ -159,3 +159,20 @@ def test_points_and_cells_without_gradient_are_skipped_exactly(ndim, same_step_m
     assert torch.equal(grad_points[grad.abs().sum(-1) == 0], torch.zeros_like(grad_points[grad.abs().sum(-1) == 0]))
     _assert_close(grad_points, ref_points, _TOL[torch.float64])
     _assert_close(grad_theta, ref_theta, _TOL[torch.float64])
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_more_threads_split_the_work_without_changing_the_results(ndim, monkeypatch):
+    """The kernels' loops split over threads (``regkit_kernels._numba.parallel_for``; the suite runs one thread):
+    end points, point gradients and step matrices are bit-equal to one thread's, the theta gradient (per-thread
+    moment tables, summed at the end) equal up to rounding."""
+    basis, theta, points = case(ndim, 2, "zero", torch.float64, n_random=6000)
+    grad = torch.randn_like(points)
+    results = []
+    for threads in (1, 2):
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        E = cpab_numba.step_matrices(basis.to_A(theta), 0.2)
+        results.append((E, *_gradients(points, theta, basis, grad, "numba", 5)))
+    (E1, out1, points1, theta1), (E2, out2, points2, theta2) = results
+    assert torch.equal(E1, E2) and torch.equal(out1, out2) and torch.equal(points1, points2)
+    _assert_close(theta2, theta1, 1e-13)
