@@ -4,11 +4,11 @@ The CPAB, filter, local NCC and MI kernels are compiled without ``parallel=True`
 kernel's loop body a second time, as a gufunc, which made the first use of the CPU kernels (``regkit demo``) compile
 about three times as long. Instead each of them is a serial ``nogil`` function of a range ``[first, last)`` of its
 outer loop, and :func:`parallel_for` splits that loop into one contiguous range per thread, as numba's static
-scheduling of a ``prange`` does. The sampling kernels (``sampling_numba``), small ones whose parfors compile is short,
-keep ``prange`` with :func:`use_torch_threads`. The kernels
-take ``error_model="numpy"``, as numba's parfor bodies do: a float division by zero gives inf or NaN, without a check
-in the loops. Helpers called per point or voxel take scalars and tuples, never arrays: an array passed to a function
-is reference-counted on every call, atomically, on a count that all threads share.
+scheduling of a ``prange`` does. These kernels take ``error_model="numpy"``, as numba's parfor bodies do: a float
+division by zero gives inf or NaN, without a check in the loops. Their helpers called per point or voxel take scalars
+and tuples, never arrays: an array passed to a function is reference-counted on every call, atomically, on a count
+that all threads share. The sampling kernels (``sampling_numba``), small ones whose parfors compile is short, keep
+``prange`` with :func:`use_torch_threads`.
 """
 
 from __future__ import annotations
