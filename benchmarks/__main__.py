@@ -7,12 +7,14 @@ import typer
 
 from benchmarks.accuracy import accuracy
 from benchmarks.batch import batch
+from benchmarks.common import CommandGroup
 from benchmarks.cpab import cpab
 from benchmarks.features import features
 from benchmarks.registration import registration
 from benchmarks.wtconv import wtconv
 
 app = typer.Typer(
+    cls=CommandGroup,
     help="Benchmarks: time and peak memory of regkit's fast paths beside their baselines.",
     no_args_is_help=True,
     add_completion=False,

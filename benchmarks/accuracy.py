@@ -23,8 +23,9 @@ Two reference rows per pair: ``before`` (identity field) and ``truth`` (the true
 label maps allow). The Dice of the labels the tool warped itself is kept in the CSV (``dice_tool_warp``) as a check
 that its field was read in the right convention.
 
-Outputs in ``--out``: ``pairs/`` (the generated pairs), ``runs/PAIR/TOOL/`` (each tool's files and log),
-``accuracy.csv`` (one row per pair and tool), ``accuracy.md`` (the command, the settings and the tables) and
+Outputs: the tables in ``--output`` (markdown: the header of :func:`benchmarks.common.header`, the settings, one
+table per pair set, then every pair; rewritten after every run), and in the work folder ``--out``: ``pairs/`` (the
+generated pairs), ``runs/PAIR/TOOL/`` (each tool's files and log), ``accuracy.csv`` (one row per pair and tool) and
 ``accuracy.png`` (Dice against runtime per pair set; skipped when matplotlib is missing).
 """
 
@@ -34,7 +35,6 @@ import csv
 import json
 import math
 import os
-import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from benchmarks.accuracy_runners import TOOLS
-from benchmarks.common import ITK_DATA, PAIR_SETS, Device, MiB, device_name
+from benchmarks.common import ITK_DATA, PAIR_SETS, ROOT, Device, MiB, Results, default_output, device_name
 
 if TYPE_CHECKING:
     import torch
@@ -52,10 +52,11 @@ if TYPE_CHECKING:
     from benchmarks.accuracy_pairs import BenchPair
 
 RUNNER = Path(__file__).with_name("accuracy_runners.py")
+CONFIGS = Path(__file__).with_name("configs")  # the regkit tools' configurations, accuracy-{ndim}d-{kind}.yaml
 DEFAULT_PAIRS = "2mm,contrast,itk2d,nibabel"
 DEFAULT_TOOLS = "regkit-lncc,regkit-mi,ants,elastix,sitk,fireants"
 REFERENCES = ("before", "truth")
-# regkit tool -> similarity kind of its preset ``accuracy-{ndim}d-{kind}``
+# regkit tool -> similarity kind of its configuration ``benchmarks/configs/accuracy-{ndim}d-{kind}.yaml``
 _REGKIT_KINDS = {"regkit-lncc": "lncc", "regkit-mi": "mi", "regkit-features": "features"}
 _CSV_FIELDS = (
     "pair_set",
@@ -189,7 +190,7 @@ def probe_tool(tool: str, envs: Environments, env: dict[str, str], folder: Path)
 
 def _regkit_config(tool: str, ndim: int, overrides: dict[str, str]) -> str:
     kind = _REGKIT_KINDS[tool]
-    return overrides.get(f"{kind}-{ndim}d", f"accuracy-{ndim}d-{kind}")
+    return overrides.get(f"{kind}-{ndim}d", str(CONFIGS / f"accuracy-{ndim}d-{kind}.yaml"))
 
 
 def run_tool(
@@ -395,16 +396,14 @@ def write_plot(rows: list[Row], pair_sets: list[str], tools: list[str], path: Pa
     return True
 
 
-def write_markdown(
-    path: Path, command: str, settings: list[str], rows: list[Row], pair_sets: list[str], tools: list[str]
-) -> None:
-    lines = [f"### `{command}`", "", *settings, ""]
+def markdown_tables(settings: list[str], rows: list[Row], pair_sets: list[str], tools: list[str]) -> list[str]:
+    """The settings, one summary table per pair set, then every pair: markdown lines."""
+    lines = [*settings, ""]
     for pair_set in pair_sets:
         described = sorted({row.pair for row in rows if row.pair_set == pair_set})
         lines += [f"**{pair_set}** ({len(described)} pair{'s' if len(described) != 1 else ''})", ""]
         lines += [*summary_table(rows, pair_set, tools), ""]
-    lines += ["**Per pair**", "", *per_pair_table(rows), ""]
-    path.write_text("\n".join(lines))
+    return [*lines, "**Per pair**", "", *per_pair_table(rows), ""]
 
 
 # ---- the command -----------------------------------------------------------------------------------------------------
@@ -429,7 +428,15 @@ def _config_overrides(values: list[str]) -> dict[str, str]:
 
 
 def accuracy(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder (pairs, runs, accuracy.md/.csv/.png).")],
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output", "-o", help="Markdown file of the tables (default: benchmarks/results/accuracy-MACHINE.md)."
+        ),
+    ] = None,
+    out: Annotated[
+        Path, typer.Option("--out", help="Work folder: the pairs, each tool's runs, accuracy.csv and accuracy.png.")
+    ] = ROOT / "out" / "accuracy",
     pairs: Annotated[
         str, typer.Option("--pairs", help=f"Comma-separated pair sets: {', '.join(PAIR_SETS)}.")
     ] = DEFAULT_PAIRS,
@@ -458,7 +465,8 @@ def accuracy(
         list[str],
         typer.Option(
             "--regkit-config",
-            help="Replace a regkit preset, KIND-NDd=CONFIG (e.g. lncc-3d=my.yaml; default: accuracy-3d-lncc etc.).",
+            help="Replace a regkit configuration, KIND-NDd=CONFIG (e.g. lncc-3d=my.yaml; default: "
+            "benchmarks/configs/accuracy-3d-lncc.yaml etc.).",
         ),
     ] = [],  # noqa: B006 (typer reads the default; it is never mutated)
     mni_data: Annotated[
@@ -472,7 +480,7 @@ def accuracy(
     resume: Annotated[bool, typer.Option("--resume", help="Reuse the finished runs already in --out.")] = False,
 ) -> None:
     """Register the same pairs with regkit and the established tools, each in its own environment, and compare Dice,
-    HD95, folds, SDlogJ, endpoint error, runtime and memory (markdown + CSV + PNG in --out)."""
+    HD95, folds, SDlogJ, endpoint error, runtime and memory (markdown in --output, CSV and PNG in --out)."""
     import torch
     from rich.console import Console
 
@@ -508,16 +516,10 @@ def accuracy(
         "warmup": warmup,
         "regkit_configs": overrides,
     }
-    command = "python -m benchmarks accuracy " + " ".join(
-        [f"--pairs {','.join(chosen_sets)}", f"--tools {','.join(chosen_tools)}", f"--device {device.value}"]
-        + [f"--deformations {deformations}", f"--seed {seed}", f"--threads {threads}"]
-        + [f"--regkit-config {shlex.quote(v)}" for v in regkit_config]
-        + ([] if warmup else ["--no-warmup"])
-        + [f"--out {shlex.quote(str(out))}"]
-    )
     torch_device = device_name(device.value)
     settings = [
-        f"Torch tools on {torch_device}; ANTs, elastix and SimpleITK on the CPU; {threads} thread(s) per tool.",
+        f"Torch tools on {torch_device}; ANTs, elastix and SimpleITK on the CPU; {threads} thread(s) per tool; "
+        f"seed {seed}, {deformations} deformation(s) per MNI pair set.",
         "Versions: " + ", ".join(f"{tool} {version}" for tool, version in versions.items()) + ".",
         "Dice: mean over labels present in both maps (moving labels sampled at x + u(x), nearest); HD95 mm: mean over "
         "labels; folds: fraction of non-positive Jacobian determinants, SDlogJ (Learn2Reg, central differences of "
@@ -527,10 +529,12 @@ def accuracy(
         "true field.",
     ]
     rows: list[Row] = []
+    output = output or default_output("accuracy", device.value)
+    report = Results(output, device.value)
 
     def flush() -> None:
         write_csv(rows, out / "accuracy.csv")
-        write_markdown(out / "accuracy.md", command, settings, rows, chosen_sets, chosen_tools)
+        report.set(*markdown_tables(settings, rows, chosen_sets, chosen_tools))
 
     for pair_set in chosen_sets:
         console.print(f"{pair_set}: generating pairs ...", style="dim")
@@ -560,6 +564,6 @@ def accuracy(
     flush()
     plotted = write_plot(rows, chosen_sets, chosen_tools, out / "accuracy.png")
     console.print(
-        f"wrote {out / 'accuracy.md'}, {out / 'accuracy.csv'}"
+        f"wrote {output}, {out / 'accuracy.csv'}"
         + (f", {out / 'accuracy.png'}" if plotted else " (no plot: matplotlib is not installed)")
     )

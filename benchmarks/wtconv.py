@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from benchmarks.common import MiB, capture_graph
+from benchmarks.common import MiB, Results, capture_graph, default_output
 
 if TYPE_CHECKING:
     import torch
@@ -103,8 +103,8 @@ QUICK_CASES = (Case((1, 2, 8, 6), 2, 3), Case((1, 1, 4, 4, 3), 1, 3))
 
 
 def _authors_layer(layer: Any) -> Any:
-    """A 2D WTConv layer computed the way the authors' code computes it (the formulation behind the paper's timings
-    and issue #6's anchors), on the parameters of ``layer`` (a ``regkit.features.WTConv2d``), with the same result.
+    """A 2D WTConv layer computed the way the authors' code computes it (the formulation behind the paper's timings),
+    on the parameters of ``layer`` (a ``regkit.features.WTConv2d``), with the same result.
 
     The Haar analysis of a level is a stride-2 grouped convolution with the four fixed 2 x 2 filters per channel (the
     output channel ``4 c + b`` is sub-band ``b`` of channel ``c``), its synthesis the transposed convolution with the
@@ -440,7 +440,8 @@ def _render(title: str, rows: list[list[str]]) -> tuple[Any, str]:
 
 
 def _summary(results: dict[tuple[Case, str], dict[str, Any]], cases: tuple[Case, ...]) -> list[str]:
-    """The issue's targets, computed from the measurements."""
+    """The summary lines: fused fp32 times and every version's time ratios to them (geometric means over the 2D
+    stages), and for each 3D shape the reference / fused time and fused / reference memory."""
 
     def geomean(values: list[float]) -> float:
         return math.exp(sum(math.log(v) for v in values) / len(values))
@@ -475,7 +476,13 @@ def _summary(results: dict[tuple[Case, str], dict[str, Any]], cases: tuple[Case,
 def wtconv(
     quick: Annotated[bool, typer.Option("--quick", help="Tiny shapes on the CPU: a smoke test in seconds.")] = False,
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Also write the tables as markdown to this file.")
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Markdown file of the tables (default: benchmarks/results/wtconv-GPU.md; --quick: "
+            "wtconv-cpu-quick.md).",
+        ),
     ] = None,
     first_use: Annotated[
         bool, typer.Option("--first-use/--no-first-use", help="Measure first-use (compile) time per configuration.")
@@ -497,12 +504,14 @@ def wtconv(
     import torch
     from rich.console import Console
 
+    from regkit_kernels.launch import interpreter_on
+
     device = "cpu" if quick else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise typer.BadParameter("CUDA is not available here (use --quick for a CPU smoke test)", param_hint="--quick")
     cases = tuple(c for c in (QUICK_CASES if quick else FULL_CASES) if ndim is None or c.ndim == ndim)
     console = Console()
-    fused_ok = device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    fused_ok = device == "cuda" or interpreter_on()
     if device == "cuda":
         name = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
         copy_bw = _copy_bandwidth()
@@ -510,12 +519,14 @@ def wtconv(
     else:
         name, copy_bw = f"CPU, torch {torch.__version__} (timings meaningless)", None
     console.print(name)
+    output = output or default_output("wtconv", device, quick)
+    report = Results(output, device)
+    report.add(name, "")
     first = {}
     if device == "cuda" and first_use:
         first = _first_use(cases, Path(os.environ["TRITON_CACHE_DIR"]), first_use_jobs)
     time_it = _timer(device, 0.5, 100) if not quick else _timer(device, 0.0, 1, warm_up=False)
     results: dict[tuple[Case, str], dict[str, Any]] = {}
-    markdown = [f"### `python -m benchmarks wtconv{' --quick' if quick else ''}`", "", name, ""]
     for case in cases:
         rows = []
         x_mib = math.prod(case.shape) * 4 / MiB
@@ -533,14 +544,12 @@ def wtconv(
             console.print("  " + "  ".join(rows[-1]).rstrip(), style="dim")
         table, md = _render(f"{case.name}, x = {x_mib:,.1f} MiB in float32", rows)
         console.print(table)
-        markdown.append(md)
+        report.add(md)
     summary = _summary(results, cases)
     if fused_ok:
         budget = 0.0 if quick else 2.0
         summary += [interleaved_line(c, interleaved(c, device, budget, 300)) for c in cases if c.ndim == 2]
     for line in summary:
         console.print(line)
-    markdown += [*summary, ""]
-    if output is not None:
-        output.write_text("\n".join(markdown))
-        console.print(f"wrote {output}")
+    report.add(*summary, "")
+    console.print(f"wrote {output}")

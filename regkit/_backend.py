@@ -2,8 +2,11 @@
 
 Every fast op has up to four faces with one signature: ``"reference"`` (readable pure PyTorch, the spec),
 ``"torch"`` (a factorized PyTorch path, where the algorithm has one), ``"numba"`` (compiled CPU kernels,
-``regkit_kernels.<op>_numba``, where the op has them) and ``"triton"`` (fused kernels, ``regkit_kernels.<op>``,
+``regkit_kernels.numba.<op>``, where the op has them) and ``"triton"`` (fused kernels, ``regkit_kernels.<op>``,
 CUDA only). The backend is an explicit argument threaded from the configuration, never a global switch.
+
+The kernels are imported on first use, never by ``import regkit``; :func:`load_kernels` returns each module typed as
+its face (``regkit._kernel_faces``), so that mypy checks the calls into it.
 """
 
 from __future__ import annotations
@@ -11,24 +14,58 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import os
-import pkgutil
 from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal, get_args, overload
 
 import torch
 
 from regkit.errors import RegkitError
 
+if TYPE_CHECKING:
+    from regkit._kernel_faces import (
+        CompilesNumba,
+        CpabFused,
+        CpabNumba,
+        FiltersNumba,
+        LnccNumba,
+        MiNumba,
+        SamplingNumba,
+        WtconvFused,
+    )
+
 BACKENDS = ("auto", "reference", "torch", "numba", "triton")
+
+NumbaKernels = Literal["numba.cpab", "numba.filters", "numba.lncc", "numba.mi", "numba.sampling"]
+"""The numba kernel modules of ``regkit_kernels`` (``numba.<op>``, :func:`kernels_module`)."""
 
 
 class BackendError(RegkitError):
     """A requested backend that cannot run here (e.g. ``triton`` without CUDA or without the triton package)."""
 
 
-def load_kernels(name: str) -> ModuleType:
-    """Import ``regkit_kernels.<name>`` (e.g. ``"cpab"``, ``"wtconv"``, ``"cpab_numba"``); raise BackendError if it
-    cannot be imported (triton or numba missing)."""
+@overload
+def load_kernels(name: Literal["cpab"]) -> CpabFused: ...
+@overload
+def load_kernels(name: Literal["wtconv"]) -> WtconvFused: ...
+@overload
+def load_kernels(name: Literal["numba.cpab"]) -> CpabNumba: ...
+@overload
+def load_kernels(name: Literal["numba.filters"]) -> FiltersNumba: ...
+@overload
+def load_kernels(name: Literal["numba.lncc"]) -> LnccNumba: ...
+@overload
+def load_kernels(name: Literal["numba.mi"]) -> MiNumba: ...
+@overload
+def load_kernels(name: Literal["numba.sampling"]) -> SamplingNumba: ...
+@overload
+def load_kernels(name: Literal["numba.compiles"]) -> CompilesNumba: ...
+def load_kernels(name: str) -> Any:
+    """Import ``regkit_kernels.<name>`` (``"cpab"``, ``"wtconv"``, ``"numba.cpab"``, ..., ``"numba.compiles"``), typed
+    as its face; raise BackendError if it cannot be imported (triton or numba missing)."""
+    return _import_kernels(name)
+
+
+def _import_kernels(name: str) -> ModuleType:
     try:
         return importlib.import_module(f"regkit_kernels.{name}")
     except ImportError as exc:
@@ -36,28 +73,22 @@ def load_kernels(name: str) -> ModuleType:
 
 
 def import_cpu_kernels() -> list[str]:
-    """Import every numba module of ``regkit_kernels`` (``*_numba``) and return their names; none where numba is
-    missing. For benchmarks, which start their timers after the tools' imports: the first call of each kernel still
-    loads or compiles it."""
-    try:
-        import regkit_kernels
-    except ImportError:
-        return []
-    names = [
-        m.name for m in pkgutil.iter_modules(regkit_kernels.__path__) if m.name.endswith("_numba") and m.name[0] != "_"
-    ]
-    return [name for name in names if kernels_available(name)]
+    """Import every numba kernel module of ``regkit_kernels`` (:data:`NumbaKernels`) and return their names; none
+    where numba is missing. For benchmarks, which start their timers after the tools' imports: the first call of each
+    kernel still loads or compiles it."""
+    return [name for name in get_args(NumbaKernels) if kernels_available(name)]
 
 
 def kernels_module(face: str, kernels: str) -> str:
-    """The ``regkit_kernels`` submodule of an op's compiled face: ``<kernels>`` for triton, ``<kernels>_numba``."""
-    return f"{kernels}_numba" if face == "numba" else kernels
+    """The ``regkit_kernels`` submodule of an op's compiled face: ``<kernels>`` for triton, ``numba.<kernels>`` for
+    numba."""
+    return f"numba.{kernels}" if face == "numba" else kernels
 
 
 def kernels_available(name: str) -> bool:
     """True when ``regkit_kernels.<name>`` imports (its compiler installed and the kernels present)."""
     try:
-        load_kernels(name)
+        _import_kernels(name)
     except BackendError:
         return False
     return True
@@ -69,7 +100,8 @@ def resolve_backend(requested: str, device: torch.device | str, kernels: str, *,
     Args:
         requested: ``"auto"`` or one of the op's ``faces``.
         device: where the op's tensors live.
-        kernels: the ``regkit_kernels`` submodule holding the op's Triton face (``kernels_module``).
+        kernels: the op's kernels: ``regkit_kernels.<kernels>`` holds its Triton face,
+            ``regkit_kernels.numba.<kernels>`` its numba face (:func:`kernels_module`).
         faces: the concrete backends the op offers, fastest PyTorch face last among ``reference``/``torch``.
 
     ``auto`` means ``triton`` for CUDA tensors and ``numba`` for CPU tensors when the op has that face and its kernels
@@ -91,11 +123,14 @@ def resolve_backend(requested: str, device: torch.device | str, kernels: str, *,
     if requested == "numba":
         if device.type != "cpu":
             raise BackendError("backend 'numba' needs CPU tensors")
-        load_kernels(kernels_module("numba", kernels))
+        _import_kernels(kernels_module("numba", kernels))
     if requested == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise BackendError("backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for testing on the CPU)")
-        load_kernels(kernels)
+        if device.type != "cuda":
+            from regkit_kernels.launch import interpreter_on  # imports nothing itself (no triton)
+
+            if not interpreter_on():
+                raise BackendError("backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for testing on the CPU)")
+        _import_kernels(kernels)
     return requested
 
 

@@ -105,11 +105,11 @@ def configure_caches(root: str | os.PathLike | None = None) -> dict[str, str]:
 @contextmanager
 def announce_compiles(say: Callable[[str], None]) -> Iterator[None]:
     """While the block runs, ``say`` a line before the CPU kernels' first compile and one with its duration at the end
-    (``regkit_kernels.numba_compiles``); nothing where numba is missing or every kernel came from its cache."""
+    (``regkit_kernels.numba.compiles``); nothing where numba is missing or every kernel came from its cache."""
     from regkit._backend import BackendError, load_kernels
 
     try:
-        compiles = load_kernels("numba_compiles")
+        compiles = load_kernels("numba.compiles")
     except BackendError:
         yield
         return

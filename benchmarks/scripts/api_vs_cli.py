@@ -1,12 +1,15 @@
 """The README's Python snippet against ``regkit register`` on the demo pair: registration seconds of each, every run a
-fresh process, the two interleaved so that a drift of the machine's load tilts neither.
+fresh process, the two interleaved so that a drift of the machine's load tilts neither. From the repository root, with
+the ``regkit`` command on ``PATH`` (the dev venv)::
 
-    python benchmarks/scripts/api_vs_cli.py [--rounds 3] [--device cpu] [--out benchmarks/results/api-vs-cli.md]
+    PYTHONPATH=. python benchmarks/scripts/api_vs_cli.py [--rounds 3] [--device cpu] [-o FILE]
 
 Writes the pair once with ``regkit demo``, warms numba's cache with one untimed run of each, then runs ``rounds``
 rounds of (CLI, Python, Python with ``REGKIT_PROCESS_SETTINGS=0``: the library without the process settings that the
 CLI makes, as a baseline). The CLI's figure is ``runtime.total_seconds`` of its ``metrics.json``, the snippet's is
-``result.seconds``: both time ``regkit.register`` alone.
+``result.seconds``: both time ``regkit.register`` alone. The table goes to ``benchmarks/results/api-vs-cli.md`` (or
+``-o``), after the header of every benchmark table (:func:`benchmarks.common.header`: the command line, the machine,
+the date, the tree's commit).
 """
 
 from __future__ import annotations
@@ -14,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from benchmarks.common import RESULTS, Results
 
 SNIPPET = """
 import regkit
@@ -48,7 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "results" / "api-vs-cli.md")
+    parser.add_argument("--output", "-o", type=Path, default=RESULTS / "api-vs-cli.md")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -62,10 +65,7 @@ def main() -> None:
             rows.append((cli, api_seconds(inputs, args.device), api_seconds(inputs, args.device, settings=False)))
     cli, api, bare = (statistics.median(column) for column in zip(*rows, strict=True))
     lines = [
-        "# The README's Python snippet against `regkit register` (demo pair, demo preset)",
-        "",
-        f"`python benchmarks/scripts/api_vs_cli.py --rounds {args.rounds} --device {args.device}`, "
-        f"{time.strftime('%Y-%m-%d')}, {platform.machine()} {platform.system()}, Python {platform.python_version()}; "
+        f"**The README's Python snippet against `regkit register` (demo pair, demo preset, {args.device})**: "
         "registration seconds, each run a fresh process, rounds interleaved.",
         "",
         "| round | CLI s | Python s | Python / CLI | Python without the settings s | / CLI |",
@@ -74,9 +74,9 @@ def main() -> None:
         f"| median | {cli:.2f} | {api:.2f} | {api / cli:.3f} | {bare:.2f} | {bare / cli:.3f} |",
         "",
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
+    Results(args.output, "cuda" if args.device.startswith("cuda") else "cpu").add(*lines)
     print("\n".join(lines))
+    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -1,19 +1,19 @@
-"""Issue 5's flatness in tessellation size, in GPU time: one forward + backward of the fused path (``to_A`` on its
-auto backend, the integration with checkpoints every 5 steps and without, a weighted sum and its backward) replayed
-from a CUDA graph, for every tessellation of the issue's benchmark: 2D 4x4 ... 32x32 at batch 16, 3D 2^3 ... 16^3 at
-batch 8, 125,000 points, T = 50, zero boundary, float32 (the setup of ``cpab_ab.py``: theta = 0.5 N(0, 1)).
+"""How flat the fused CPAB path's cost is in the tessellation size, in GPU time: one forward + backward (``to_A`` on
+its auto backend, the integration with checkpoints every 5 steps and without, a weighted sum and its backward)
+replayed from a CUDA graph, for 2D tessellations 4x4 ... 32x32 at batch 16 and 3D 2^3 ... 16^3 at batch 8, 125,000
+points, T = 50, zero boundary, float32, theta = 0.5 N(0, 1).
 
-On the H200, from the repository root with ``PYTHONPATH`` holding the repository, ``kernels``, ``apps`` and
-``benchmarks/scripts``: ``python3 benchmarks/scripts/cpab_flat.py``. Prints one line per case (ms, peak MiB above the
+On a CUDA machine, from the repository root, in the environment regkit is installed in:
+``PYTHONPATH=. python benchmarks/scripts/cpab_flat.py``. Prints one line per case (ms, peak MiB above the
 inputs).
 """
 
-import cpab_pieces
 import torch
 
+from benchmarks.common import graphed_seconds
 from regkit.cpab.basis import CPABasis, cpa_basis
 from regkit.cpab.tessellation import Tessellation
-from regkit_kernels.cpab.ops import cpab_integrate
+from regkit_kernels.cpab import cpab_integrate
 
 T = 50
 CASES = [((c, c), 16) for c in (4, 8, 12, 16, 24, 32)] + [((c, c, c), 8) for c in (2, 4, 8, 12, 16)]
@@ -36,7 +36,7 @@ def measure(basis: CPABasis, theta: torch.Tensor, points: torch.Tensor, every: i
     run()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     label = "every 5" if every == 5 else "no checkpoints"
-    return f"{label} {cpab_pieces.graph_ms(run):.3f} ms / {peak:.1f} MiB;"
+    return f"{label} {1e3 * graphed_seconds(run, 10):.3f} ms / {peak:.1f} MiB;"
 
 
 def main() -> None:

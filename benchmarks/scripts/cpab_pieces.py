@@ -1,4 +1,4 @@
-"""The fused CPAB path piece by piece (issue 5's notes): where the time of a forward + backward goes.
+"""The fused CPAB path piece by piece: where the time of a forward + backward goes.
 
 Run from the repository root: ``PYTHONPATH=.:kernels python benchmarks/scripts/cpab_pieces.py`` on a CUDA machine (times
 and accuracy), or with ``TRITON_INTERPRET=1`` on a CPU (accuracy only). Prints:
@@ -23,14 +23,15 @@ import torch
 
 from benchmarks.common import graphed_seconds
 from regkit.cpab.basis import cpa_basis
-from regkit.cpab.integrate import _step_matrices_vjp, integrate, step_matrices
+from regkit.cpab.integrate import integrate, step_matrices, step_matrices_vjp
 from regkit.cpab.tessellation import Tessellation
 from regkit_kernels.cpab import cpab_bwd, cpab_fwd
 from regkit_kernels.cpab import ops as fused_ops
 from regkit_kernels.cpab import step_matrices as fused_step_matrices
 from regkit_kernels.cpab import step_matrices_vjp as fused_step_matrices_vjp
+from regkit_kernels.launch import interpreter_on
 
-CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+CUDA = torch.cuda.is_available() and not interpreter_on()
 DEVICE = "cuda" if CUDA else "cpu"
 STEPS = 50
 REGISTRATION_GRID = (160, 192, 224)
@@ -44,7 +45,7 @@ def accuracy() -> None:
             * torch.logspace(-3, 2.5, 200, dtype=torch.float64)[:, None, None]
         )
         G, h = torch.randn_like(A), 0.1
-        truth_E, truth_V = step_matrices(A, h), _step_matrices_vjp(A, h, G)
+        truth_E, truth_V = step_matrices(A, h), step_matrices_vjp(A, h, G)
 
         def error(x: torch.Tensor, truth: torch.Tensor, n: int = n) -> float:
             x = x.cpu().double()[..., : n + 1]
@@ -53,7 +54,7 @@ def accuracy() -> None:
         for dtype in (torch.float32, torch.float64):
             A_, G_ = A.to(dtype=dtype, device=DEVICE), G.to(dtype=dtype, device=DEVICE)
             fused = error(fused_step_matrices(A_, h), truth_E), error(fused_step_matrices_vjp(A_, h, G_), truth_V)
-            plain = error(step_matrices(A_, h), truth_E), error(_step_matrices_vjp(A_, h, G_), truth_V)
+            plain = error(step_matrices(A_, h), truth_E), error(step_matrices_vjp(A_, h, G_), truth_V)
             print(
                 f"{n}D {dtype} vs float64 matrix_exp: E fused {fused[0]:.2e}, matrix_exp {plain[0]:.2e}; "
                 f"adjoint fused {fused[1]:.2e}, autograd {plain[1]:.2e}",
@@ -64,7 +65,7 @@ def accuracy() -> None:
 def _compile(spec: tuple[int, bool, int, bool, bool]) -> str:
     """Compile one variant (run in a child process): ``(ndim, divide, checkpoint_every, point_grad, sort)``."""
     ndim, divide, every, point_grad, sort = spec
-    fused_ops._SORT_MIN = 0
+    fused_ops.SORT_MIN = 0
     tess = Tessellation((2,) * ndim, (-1.0,) * ndim, (2.0,) * ndim) if divide else Tessellation((2,) * ndim)
     A = 0.1 * torch.randn(2, tess.n_cells, ndim, ndim + 1, device=DEVICE)
     points = torch.rand(64, ndim, device=DEVICE).expand(2, -1, -1)
@@ -133,8 +134,8 @@ def timings(shape: tuple[int, ...], batch: int, points: int = 125_000) -> None:
         f"{ms(lambda: fused_step_matrices_vjp(A, h, G)):.3f} ms",
         flush=True,
     )
-    fused_ops._ORDERS.clear()
-    sort = ms(lambda: (fused_ops._ORDERS.clear(), fused_ops.point_order(batched, tess)))
+    fused_ops.POINT_ORDERS.clear()
+    sort = ms(lambda: (fused_ops.POINT_ORDERS.clear(), fused_ops.point_order(batched, tess)))
     order = fused_ops.point_order(batched, tess)
     print(f"  sorting the points by cell: {sort:.3f} ms" if order is not None else "  points not sorted")
     for kernel_order in (None, order) if order is not None else (None,):

@@ -9,10 +9,8 @@ Prints, in ms (best of 10, wall clock): box sums of 6 channels of the 2 mm MNI g
 local NCC's forward and backward there, the CPAB step matrices and their adjoint at 8^3, 16^3 and 24^3 cells (theta ~
 0.3 N(0, 1), every cell with a gradient), the CPAB integration forward and backward of the grid's points (24^3 cells,
 2 steps); then the seconds each numba kernel takes inside the second of two registrations (``accuracy-3d-mi`` on the
-``contrast`` pair 0 and ``accuracy-3d-lncc`` on ``2mm`` pair 0, as ``python -m benchmarks accuracy`` builds them). It
-times only functions that earlier versions have too, so the same script times an older checkout's regkit (``git
-worktree add``; that checkout and its ``kernels`` first on ``PYTHONPATH``, then this one for ``benchmarks``; a checkout
-without ``regkit.process`` runs without the process settings).
+``contrast`` pair 0 and ``accuracy-3d-lncc`` on ``2mm`` pair 0, as ``python -m benchmarks accuracy`` builds them), in a
+process set up as the ``regkit`` command sets up its own (``regkit.process.configure_process``).
 """
 
 import argparse
@@ -21,22 +19,21 @@ import os
 import time
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the CLI's setting, before torch is imported
-try:  # the regkit command's process settings (heap reuse) where the checkout has them
-    from regkit.process import configure_process
-except ImportError:
-    pass
-else:
-    configure_process()
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the regkit command's setting, before torch is imported
 
 import torch
 
+from benchmarks.accuracy import CONFIGS
 from benchmarks.accuracy_pairs import make_pairs
 from regkit.config import load_config
 from regkit.cpab import CPAB
+from regkit.process import configure_process
 from regkit.registration import register
 from regkit.spatial.grid import Grid
-from regkit_kernels import cpab_numba, filters_numba, lncc_numba, mi_numba
+from regkit_kernels.numba import cpab as cpab_numba
+from regkit_kernels.numba import filters as filters_numba
+from regkit_kernels.numba import lncc as lncc_numba
+from regkit_kernels.numba import mi as mi_numba
 
 SHAPE = (95, 117, 99)  # [z, y, x] of the 2 mm MNI grid
 
@@ -108,7 +105,7 @@ def shares() -> None:
         timed(mi_numba, name, spent)
     for preset, pair_set in (("accuracy-3d-mi", "contrast"), ("accuracy-3d-lncc", "2mm")):
         pair = make_pairs(pair_set, 1, 0)[0]
-        config = load_config(preset)
+        config = load_config(CONFIGS / f"{preset}.yaml")
         register(pair.fixed, pair.moving, config, device="cpu")  # warm-up: first calls load the kernels
         spent.clear()
         start = time.perf_counter()
@@ -121,6 +118,7 @@ def shares() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
+    configure_process()  # the regkit command's process settings (heap reuse, cache folders)
     torch.set_num_threads(parser.parse_args().threads)
     kernels()
     shares()

@@ -1,9 +1,9 @@
-"""One case of `python -m benchmarks features --part 3d` alone, for the similarities given: the bench's own pair
-generator and registration configuration (``benchmarks.features``), so that a case a GPU run did not reach can be
-finished on any machine, with the classical measures in the same process. From the repository root::
+"""One case of `python -m benchmarks features --part 3d` alone, for the similarities given: the benchmark's own pair
+generator and registration configuration (``benchmarks.features``), with the classical measures in the same process,
+on any machine (a 3D features registration takes minutes to half an hour on a CPU). From the repository root::
 
     PYTHONPATH=. python benchmarks/scripts/features_case.py --kind synth --case 1 \
-        --labels .features/brain_labels.nii.gz --features "distance=lncc,lncc_weight=4" --threads 1
+        --labels .h200/data/brain_labels.nii.gz --features "distance=lncc,lncc_weight=4" --threads 1
 
 ``--case`` is 0-based (the bench's second case is 1). Prints one Dice per similarity (mean over the AAL labels, as the
 bench computes it) and its registration time.

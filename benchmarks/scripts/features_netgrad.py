@@ -1,20 +1,20 @@
 """GPU check: the feature network's loss gradients with fused WTConv kernels vs reference layers, fp32 and bf16.
 
-Run on a CUDA machine from the repository root after ``benchmarks/scripts/features_h200.sh prepare``:
-``PYTHONPATH=.:kernels:apps python benchmarks/scripts/features_netgrad.py``. Session 3 (the recipe of that time):
-relative error of the parameter gradients against the reference layers 1e-4 in fp32, 2e-2 under bf16 autocast (cosine
-0.9998).
+Run on a CUDA machine from the repository root, with the label map that ``bash benchmarks/scripts/h200.sh prepare``
+writes: ``PYTHONPATH=.:kernels:apps python benchmarks/scripts/features_netgrad.py``. Prints the losses of each backend
+and precision, and the relative error and cosine of every parameter gradient against the reference layers in fp32
+(fused fp32 agrees to about 1e-4, bf16 autocast to about 2e-2).
 """
 
 import torch
 
-from regkit.features.synth import brain_label_volume
-from regkit.features.train import Trainer
-from regkit.features.train_config import load_training_config
+from regkit.features.training.recipe import load_training_config
+from regkit.features.training.synth import brain_label_volume
+from regkit.features.training.train import Trainer
 
 for dim in (2, 3):
     cfg = load_training_config(f"features-{dim}d")
-    vol = brain_label_volume(cfg.synthesis.source_spacing, ".features/brain_labels.nii.gz")
+    vol = brain_label_volume(cfg.synthesis.source_spacing, ".h200/data/brain_labels.nii.gz")
     grads = {}
     for backend in ("triton", "reference"):
         for amp in (False, True):

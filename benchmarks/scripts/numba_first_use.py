@@ -3,9 +3,9 @@
 Runs the demo (``regkit.demo.run_demo`` on the CPU, outputs into a temporary folder) twice, each in a fresh Python
 process, both with one new, empty ``NUMBA_CACHE_DIR``: the first run compiles every kernel it calls, the second loads
 them from that cache. Prints both runs' wall-clock and CPU seconds, their differences (the compile seconds), the
-seconds of numba's own top-level compile events in the first run, and, per dispatcher of the ``regkit_kernels.*_numba``
-modules, how many signatures the first run compiled. Wall-clock seconds grow with the machine's load (a compile runs
-on one core); CPU seconds much less: on a shared machine compare those, or run it more than once.
+seconds of numba's own top-level compile events in the first run, and, per dispatcher of the kernel modules of
+``regkit_kernels.numba``, how many signatures the first run compiled. Wall-clock seconds grow with the machine's load
+(a compile runs on one core); CPU seconds much less: on a shared machine compare those, or run it more than once.
 
 Run from the repository root, in the environment regkit is installed in:
 ``python benchmarks/scripts/numba_first_use.py``.
@@ -25,7 +25,6 @@ def child() -> None:
     import numba
     from numba.core import event
 
-    from regkit._backend import import_cpu_kernels, load_kernels
     from regkit.demo import run_demo
 
     class Compiles(event.Listener):
@@ -48,11 +47,13 @@ def child() -> None:
     compiles = Compiles()
     with event.install_listener("numba:compile", compiles), tempfile.TemporaryDirectory() as out:
         result = run_demo(out, device="cpu", quiet=True, overwrite=True)
+    from regkit_kernels.numba import cpab, filters, lncc, mi, sampling  # those the demo used are loaded
+
     signatures = {}
-    for name in import_cpu_kernels():
-        for attr, value in vars(load_kernels(name)).items():
+    for module in (cpab, filters, lncc, mi, sampling):
+        for attr, value in vars(module).items():
             if isinstance(value, numba.core.registry.CPUDispatcher) and value.signatures:
-                signatures[f"{name}.{attr}"] = len(value.signatures)
+                signatures[f"{module.__name__}.{attr}"] = len(value.signatures)
     summary = {"seconds": time.perf_counter() - start, "cpu": time.process_time(), "compile": compiles.seconds}
     extra = {"compile_cpu": compiles.cpu, "registration": result["registration_seconds"], "signatures": signatures}
     print(json.dumps({**summary, **extra}))

@@ -1,15 +1,16 @@
 """Where one GPU registration spends its time: torch.profiler over register() on the 2 mm and 1 mm demo pairs.
 
 Run on a CUDA machine from the repository root:
-``PYTHONPATH=.:kernels:apps python benchmarks/scripts/registration_profile.py
-2mm 1mm`` (1mm needs nilearn's template). Prints the stage times, two profiler tables (by host and by GPU time) and
-writes a Chrome trace per size to ``$OUT`` (default /tmp). The session-3 figures in registration-h200.md (147 ms of GPU
-time in a 2.15 s eager 2 mm registration, 49,660 launches) come from this script, run before CUDA graphs.
+``PYTHONPATH=.:kernels:apps python benchmarks/scripts/registration_profile.py 2mm 1mm`` (1mm reads nilearn's 1 mm
+template, from ``$MNI_DATA`` if set: the folder that ``bash benchmarks/scripts/h200.sh prepare`` fills). Prints the
+stage times, two profiler tables (by host and by GPU time) and writes a Chrome trace per size to ``$OUT`` (default
+/tmp).
 """
 
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -19,8 +20,9 @@ from regkit.config import load_config
 from regkit.registration import register
 
 out = os.environ.get("OUT", "/tmp")
+mni_data = Path(os.environ["MNI_DATA"]) if os.environ.get("MNI_DATA") else None
 for size in sys.argv[1:] or ["2mm", "1mm"]:
-    pair = brain_pair(size)
+    pair = brain_pair(size, mni_data)
     cfg = load_config("demo")
     register(pair.fixed, pair.moving, cfg, device="cuda")  # warm-up (compiles)
     torch.cuda.synchronize()

@@ -26,6 +26,7 @@ import triton.backends.nvidia.compiler as nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from regkit_kernels.launch import pow2
 from regkit_kernels.wtconv import ops
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -99,21 +100,21 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args()
     _timed_stages()
-    kern, k, levels = ops._KERNELS[args.ndim], args.k, args.levels
+    kern, k, levels = ops.KERNELS[args.ndim], args.k, args.levels
     tile = {"NP": 1, "TY": 16, "TX": 64} if args.ndim == 2 else {"NP": 1, "TZ": 4, "TY": 4, "TX": 64}
-    conv = {"LEVELS": levels, "K": k, "BLOCK": 256}
-    wgrad = {"LEVELS": levels, "K": k, "KP": ops._pow2(k), "BLOCK": kern.wgrad_block}
+    conv = {"LEVELS": levels, "K": k, "BLOCK": kern.block}
+    wgrad = {"LEVELS": levels, "K": k, "KP": pow2(k), "BLOCK": kern.wgrad_block}
     jobs = [
-        ("lowpass", kern.lowpasses, {"DEPTH": min(levels - 1, ops._LOWPASS_DEPTH), **tile}, ops._NUM_WARPS),
-        ("levels", kern.levels, {**conv, "DIR": 1}, ops._NUM_WARPS),
-        ("fwd", kern.fwd, {**conv, "HAS_BIAS": 1}, ops._NUM_WARPS),
+        ("lowpass", kern.lowpasses, {"DEPTH": min(levels - 1, ops.LOWPASS_DEPTH), **tile}, kern.num_warps),
+        ("levels", kern.levels, {**conv, "DIR": 1}, kern.num_warps),
+        ("fwd", kern.fwd, {**conv, "HAS_BIAS": 1}, kern.num_warps),
     ]
     if kern.wgrad_levels:
-        wgrad["LEVEL_BLOCK"] = 256
+        wgrad["LEVEL_BLOCK"] = kern.block
     else:
-        jobs.append(("levels-1", kern.levels, {**conv, "DIR": -1}, ops._NUM_WARPS))
+        jobs.append(("levels-1", kern.levels, {**conv, "DIR": -1}, kern.num_warps))
     jobs.append(("wgrad", kern.wgrad, wgrad, kern.wgrad_warps))
-    jobs.append(("bwd", kern.bwd, {**conv, "HAS_BIAS": 1, "TAPS": ops._pow2(k**args.ndim)}, ops._NUM_WARPS))
+    jobs.append(("bwd", kern.bwd, {**conv, "HAS_BIAS": 1, "TAPS": pow2(k**args.ndim)}, kern.num_warps))
     total = sum(_compile(name, kernel, constants, args.dtype, warps) for name, kernel, constants, warps in jobs)
     print(f"total {total:.1f} s ({args.ndim}D, k = {k}, {levels} levels, {args.dtype})")
 

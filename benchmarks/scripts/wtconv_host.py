@@ -1,5 +1,5 @@
-"""Host (CPU-side) time of the fused WTConv layer's eager step on a CUDA GPU: the measurements behind session 7's
-host-time section of ``benchmarks/results/wtconv-h200.md``.
+"""Host (CPU-side) time of the fused WTConv layer's eager step on a CUDA GPU (the host-time section of
+``benchmarks/results/wtconv-h200.md``).
 
     PYTHONPATH=.:kernels:apps python benchmarks/scripts/wtconv_host.py [--parts PART,PART,...]   # default: all parts
 
@@ -188,17 +188,17 @@ def launch() -> None:
     calls last; Triton 3.6's signature), which this layer does not use."""
     shape, levels = _STAGE4
     x = torch.randn(shape, device="cuda")
-    kern, plan = ops._KERNELS[2], ops._plan(shape, levels, 5, x.device)
+    kern, plan = ops.KERNELS[2], ops.launch_plan(shape, levels, 5, x.device)
     low, coarse = x.new_empty(plan.low_numel), x.new_empty(plan.coarse_numel)
     params = torch.randn(levels * shape[1] * 4 * 26, device="cuda")
     args = (low, params, coarse, shape[0], shape[1], *shape[2:])
     constants = {"LEVELS": levels, "K": 5, "DIR": 1, "BLOCK": plan.level_block}
-    compiled = kern.levels[(plan.level_programs,)](*args, **constants, num_warps=ops._NUM_WARPS)
+    compiled = kern.levels[(plan.level_programs,)](*args, **constants, num_warps=kern.num_warps)
     stream = torch.cuda.current_stream().cuda_stream
     full = (*args, *constants.values())
 
     def jit() -> None:
-        kern.levels[(plan.level_programs,)](*args, **constants, num_warps=ops._NUM_WARPS)
+        kern.levels[(plan.level_programs,)](*args, **constants, num_warps=kern.num_warps)
 
     def direct() -> None:
         compiled.run(

@@ -266,7 +266,7 @@ def _execute_in_worker(job: Job, client_version: str) -> JobOutcome:
     label = f"{worker.name} on {socket.gethostname()}:{os.getpid()}"
     problem = _version_problem(worker, client_version)
     if problem is not None:
-        return JobOutcome(job.name, "failed", problem, worker=label, started=time.time())
+        return JobOutcome(name=job.name, state="failed", error=problem, worker=label, started=time.time())
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
@@ -331,6 +331,6 @@ def run_dask(
             try:
                 outcome = future.result()
             except Exception as err:  # the worker died (e.g. killed for memory) before the job could end
-                outcome = JobOutcome(job.name, "failed", one_line(err))
+                outcome = JobOutcome(name=job.name, state="failed", error=one_line(err))
             book.finish(outcome)
             report(outcome)

@@ -15,10 +15,10 @@ from regkit.batch.plan import Job
 from regkit.errors import RegkitError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class JobOutcome:
     """What happened to one job: ``done``, ``failed`` (with its one-line error) or ``skipped`` (with the earlier
-    state)."""
+    state). Built by keyword only."""
 
     name: str
     state: Literal["done", "failed", "skipped"]
@@ -73,8 +73,22 @@ def execute_job(job: Job) -> JobOutcome:
     try:
         device = _register_job(job)
     except Exception as err:
-        return JobOutcome(job.name, "failed", one_line(err), time.perf_counter() - start, None, None, worker, started)
-    return JobOutcome(job.name, "done", None, time.perf_counter() - start, device_label(device), None, worker, started)
+        return JobOutcome(
+            name=job.name,
+            state="failed",
+            error=one_line(err),
+            seconds=time.perf_counter() - start,
+            worker=worker,
+            started=started,
+        )
+    return JobOutcome(
+        name=job.name,
+        state="done",
+        seconds=time.perf_counter() - start,
+        device=device_label(device),
+        worker=worker,
+        started=started,
+    )
 
 
 def run_job(job: Job, manifest: Path) -> JobOutcome:

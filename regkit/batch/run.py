@@ -58,7 +58,14 @@ def run_batch(
             else:
                 row = rows[job.name]
                 record(
-                    JobOutcome(job.name, "skipped", row["error"], row["seconds"] or 0.0, row["device"], row["state"])
+                    JobOutcome(
+                        name=job.name,
+                        state="skipped",
+                        error=row["error"],
+                        seconds=row["seconds"] or 0.0,
+                        device=row["device"],
+                        previous=row["state"],
+                    )
                 )
         for job in todo:  # partial outputs of runs killed while writing (write_outputs' temporary folders)
             for tmp in job.out_dir.parent.glob(f"{globlib.escape(job.out_dir.name)}.tmp-*"):

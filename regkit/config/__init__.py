@@ -4,11 +4,11 @@ A configuration is a :class:`RegistrationConfig`: global settings (dimension, de
 list of stages (``moments``, ``rigid``, ``affine``, ``cpab``) and the optional outputs to write. Every model is frozen
 and rejects unknown keys; numbers are not parsed from strings (an int is accepted where a float is expected).
 
-YAML is read with safe semantics only. :func:`load_config` takes a file or the name of a preset shipped in
-``regkit/configs/`` (see :func:`list_presets`); a file may start from another one with ``base: NAME_OR_PATH`` and
-override keys (mappings merge deeply, lists and scalars replace). Relative paths are resolved against the folder of the
-YAML file that sets them (overrides given in Python: against the current directory). Every problem raises a
-:class:`~regkit.errors.ConfigError` with one line ``FILE:LINE: key.path: message``.
+YAML is read with safe semantics only. :func:`load_config` takes a file or the name of a preset shipped with regkit
+(``configs/presets/NAME.yaml``, see :func:`list_presets`); a file may start from another one with
+``base: NAME_OR_PATH`` and override keys (mappings merge deeply, lists and scalars replace). Relative paths are
+resolved against the folder of the YAML file that sets them (overrides given in Python: against the current
+directory). Every problem raises a :class:`~regkit.errors.ConfigError` with one line ``FILE:LINE: key.path: message``.
 
 The stage types and the similarity measures are discriminated unions (:data:`Stage` on ``type``,
 :data:`AnySimilarity` on ``name``); :data:`STAGES` maps each stage type to its model, :data:`SIMILARITIES` (the

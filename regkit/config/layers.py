@@ -1,14 +1,15 @@
 """Configuration files as layers: YAML with line numbers, ``base:`` layering, path resolution and presets.
 
 :func:`read_yaml` reads every YAML file regkit takes (registration configurations, batch specs, the feature network's
-training configurations) with safe semantics only, into a :class:`Layer`: the data, and for every key path the file
-and line that set it, from which errors are one line ``FILE:LINE: key.path: message``.
+training recipes) with safe semantics only, into a :class:`Layer`: the data, and for every key path the file and line
+that set it, from which errors are one line ``FILE:LINE: key.path: message``.
 
-A registration configuration (:func:`open_config`, :func:`read_layers`) is a file or the name of a preset shipped in
-``regkit/configs/`` (:func:`list_presets`); it may start from another one with ``base: NAME_OR_PATH`` and override
-keys (:func:`merge`: mappings merge deeply, lists and scalars replace). Relative paths (the keys of
-:data:`~regkit.config.schema.PATH_KEYS`) are resolved against the folder of the YAML file that sets them
-(:func:`resolve_paths`; overrides given in Python: against the current directory).
+A registration configuration (:func:`open_config`, :func:`read_layers`) is a file or the name of a preset shipped with
+regkit (:func:`list_presets`: the files of the repository's ``configs/presets/``, installed as ``regkit.presets``); it
+may start from another one with ``base: NAME_OR_PATH`` and override keys (:func:`merge`: mappings merge deeply, lists
+and scalars replace). Relative paths (the keys of :data:`~regkit.config.schema.PATH_KEYS`) are resolved against the
+folder of the YAML file that sets them (:func:`resolve_paths`; overrides given in Python: against the current
+directory).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def parse(text: str, label: str) -> Layer:
 
 def read_yaml(path: Path, label: str, where: str = "", hint: str = "") -> Layer:
     """Read and parse the YAML file ``path``, named ``label`` in messages: the one reader of every YAML file regkit
-    takes (configurations, batch specs, training configurations).
+    takes (configurations, batch specs, training recipes).
 
     Read errors are one line ``{where}{label}: no such file{hint}`` (or ``not a UTF-8 text file``, ``cannot read
     (REASON)``); ``where`` prefixes them (the ``FILE:LINE: key:`` that named the file, or nothing), ``hint`` follows a
@@ -211,15 +212,14 @@ DEFAULT_PRESETS = {2: "histology-2d", 3: "brain-mri-3d"}
 
 
 def presets_folder() -> Path:
-    """The folder of the presets shipped with regkit (``regkit/configs/``)."""
-    return Path(str(resources.files("regkit") / "configs"))
+    """The folder of the presets shipped with regkit: the repository's ``configs/presets/``, installed as the package
+    ``regkit.presets`` (in an editable install: that folder itself)."""
+    return Path(str(resources.files("regkit.presets")))
 
 
 def list_presets() -> list[str]:
-    """Names of the registration presets shipped with regkit (``regkit/configs/NAME.yaml``), sorted; the feature
-    network's training configurations there (``features-*.yaml``, see ``regkit.features.train_config``) are not
-    registration presets."""
-    return sorted(p.stem for p in presets_folder().glob("*.yaml") if not p.stem.startswith("features-"))
+    """Names of the registration presets shipped with regkit (``configs/presets/NAME.yaml``), sorted."""
+    return sorted(p.stem for p in presets_folder().glob("*.yaml"))
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ def open_config(ref: str | Path, folder: Path, where: str) -> Source:
     is_path = isinstance(ref, Path) or ref.endswith((".yaml", ".yml")) or "/" in ref or "\\" in ref
     if not is_path and ref in presets:
         path = presets_folder() / f"{ref}.yaml"
-        label = f"regkit/configs/{ref}.yaml"
+        label = f"configs/presets/{ref}.yaml"
     else:
         path = folder / Path(ref).expanduser()
         label = str(ref) if Path(ref).is_absolute() or folder == Path() else str(path)

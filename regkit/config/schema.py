@@ -17,7 +17,7 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
 from regkit.errors import ConfigError
 from regkit.options import Model, Seq, invalid
@@ -32,6 +32,7 @@ __all__ = [
     "AnySimilarity",
     "CpabPrior",
     "CpabStage",
+    "Device",
     "IntOrInts",
     "MaskConfig",
     "MomentsStage",
@@ -58,6 +59,19 @@ IntOrInts = Annotated[
     Discriminator(_int_or_list),
 ]
 """An int >= 1, or a list of ints >= 1."""
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def _check_device(device: str) -> str:
+    if not _DEVICE.fullmatch(device):
+        raise invalid(f"must be 'auto', 'cpu', 'cuda' or 'cuda:N' (got {device!r})")
+    return device
+
+
+Device = Annotated[str, AfterValidator(_check_device)]
+"""A device string: ``auto`` (CUDA if available), ``cpu``, ``cuda`` or ``cuda:N`` (the registration configuration's
+and the feature training recipe's ``device``)."""
 
 
 if TYPE_CHECKING:
@@ -289,14 +303,13 @@ class OutputsConfig(Model):
     qc_png: bool = Field(default=True, description="A quality-control image of overlaid slices.")
 
 
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-
-
 class RegistrationConfig(Model):
     """A complete registration: global settings, the stages run in order, and the outputs to write."""
 
     dim: Literal[2, 3] | None = Field(default=None, description="Image dimension, 2 or 3; null: taken from the images.")
-    device: str = Field(default="auto", description="Where to compute: auto (CUDA if available), cpu, cuda or cuda:N.")
+    device: Device = Field(
+        default="auto", description="Where to compute: auto (CUDA if available), cpu, cuda or cuda:N."
+    )
     backend: Literal["auto", "reference", "torch", "numba", "triton"] = Field(
         default="auto",
         description="Implementation of the CPAB integration: reference (pure PyTorch specification), torch "
@@ -314,13 +327,6 @@ class RegistrationConfig(Model):
     )
     stages: Seq[Stage] = Field(description="The stages, run in this order; each starts where the last ended.")
     outputs: OutputsConfig = Field(default=OutputsConfig(), description="Which optional outputs to write.")
-
-    @field_validator("device")
-    @classmethod
-    def _device(cls, device: str) -> str:
-        if not _DEVICE.fullmatch(device):
-            raise invalid(f"must be 'auto', 'cpu', 'cuda' or 'cuda:N' (got {device!r})")
-        return device
 
     @field_validator("stages")
     @classmethod

@@ -69,11 +69,13 @@ def _check_boundary(boundary: str) -> None:
         raise ValueError(f"unknown CPAB boundary mode {boundary!r}; expected one of {', '.join(BOUNDARY_MODES)}")
 
 
-def _cell_inverses(tess: Tessellation, normalised: bool = False) -> np.ndarray:
-    """(C, n + 1, n + 1) float64 ``inv(M_c)``, ``M_c`` the matrix whose columns are ``[p_k; 1]`` for the cell's
-    vertices ``p_k``: ``A_c = V_c inv(M_c)`` where ``V_c``'s columns are the vertex velocities.
+def cell_inverses(tess: Tessellation, normalised: bool = False) -> np.ndarray:
+    """(C, n + 1, n + 1) float64 ``inv(M_c)`` for every cell ``c`` of ``tess``: ``M_c`` is the matrix whose column
+    ``k`` is ``[p_k; 1]``, ``p_k`` the cell's ``k``-th vertex (the order of ``tess.cell_vertex_ids()``) in domain
+    coordinates, (x, y[, z]) order. The affine field that takes the velocities ``V_c`` (column ``k`` at ``p_k``) at the
+    cell's vertices is ``A_c = V_c inv(M_c)``, so ``A_c [x; 1]`` interpolates them at ``x``.
 
-    With ``normalised`` the vertices are taken in the unit box (``(p - lower) / (upper - lower)``).
+    With ``normalised`` the vertices are taken in the unit box instead (``(p - lower) / (upper - lower)``).
     """
     verts = tess.cell_vertices().numpy()
     if normalised:
@@ -85,7 +87,7 @@ def _cell_inverses(tess: Tessellation, normalised: bool = False) -> np.ndarray:
 
 def _free_components(tess: Tessellation, boundary: str) -> np.ndarray:
     """(V, n) bool: which vertex-velocity components are free parameters under the boundary mode."""
-    grid = tess._grid_vertices
+    grid = tess.vertices_in_box_units().numpy()
     interior = (grid > 0) & (grid < np.asarray(tess.shape, dtype=np.float64))
     if boundary == "zero":
         return np.repeat(interior.all(axis=1, keepdims=True), tess.ndim, axis=1)
@@ -205,7 +207,7 @@ class CPABasis:
     free_vertex: torch.Tensor  # (d_nodal,) int64 vertex id of each nodal coordinate
     free_axis: torch.Tensor  # (d_nodal,) int64 velocity component of each nodal coordinate
     scale: torch.Tensor  # (d_nodal,) float64 vertex velocity per unit nodal coordinate (1 / column norm of B_nodal)
-    cell_inverse: torch.Tensor  # (C, n + 1, n + 1) float64 inv(M_c), see _cell_inverses
+    cell_inverse: torch.Tensor  # (C, n + 1, n + 1) float64 inv(M_c), see cell_inverses
     reduction: torch.Tensor | None  # (d_nodal, d) float64 R, or None (identity)
     _device_cache: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -223,7 +225,7 @@ class CPABasis:
     def nodal_matrix(self) -> torch.Tensor:
         """``B_nodal``, sparse COO float64 ``(D, d_nodal)`` with unit-norm columns."""
         n = self.tess.ndim
-        ids = self.tess._cell_vertex_ids
+        ids = self.tess.cell_vertex_ids().numpy()
         column = np.full(self.tess.n_vertices * n, -1, dtype=np.int64)
         column[(self.free_vertex * n + self.free_axis).numpy()] = np.arange(self.d_nodal)
         cells, k, axis, slot = np.meshgrid(*(np.arange(s) for s in (self.tess.n_cells, n + 1, n, n + 1)), indexing="ij")
@@ -250,7 +252,7 @@ class CPABasis:
         if key not in self._device_cache:
             n = self.tess.ndim
             flat = (self.free_vertex * n + self.free_axis).to(device)
-            ids = torch.from_numpy(self.tess._cell_vertex_ids).to(device)
+            ids = self.tess.cell_vertex_ids().to(device)
             reduction = None if self.reduction is None else self.reduction.to(device=device, dtype=dtype)
             self._device_cache[key] = (
                 flat,
@@ -343,9 +345,9 @@ def cpa_basis(tess: Tessellation, boundary: str = "zero", volume_preserving: boo
     _check_boundary(boundary)
     n = tess.ndim
     free_vertex, free_axis = np.nonzero(_free_components(tess, boundary))
-    inverse = _cell_inverses(tess)
+    inverse = cell_inverses(tess)
     norm_sq = np.zeros(tess.n_vertices)
-    np.add.at(norm_sq, tess._cell_vertex_ids.ravel(), (inverse**2).sum(axis=-1).ravel())
+    np.add.at(norm_sq, tess.cell_vertex_ids().numpy().ravel(), (inverse**2).sum(axis=-1).ravel())
     scale = 1.0 / np.sqrt(norm_sq[free_vertex])
     basis = CPABasis(
         tess=tess,

@@ -274,9 +274,11 @@ def integrate_accurate(
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _step_matrices_vjp(A: torch.Tensor, h: float, grad_E: torch.Tensor) -> torch.Tensor:
-    """``dL/dA`` from ``dL/dE`` through :func:`step_matrices` (the adjoint of the matrix exponential), by autograd
-    over chunks of ``_EXPM_CHUNK`` cells: ``matrix_exp``'s backward works on doubled matrices with many temporaries."""
+def step_matrices_vjp(A: torch.Tensor, h: float, grad_E: torch.Tensor) -> torch.Tensor:
+    """``dL/dA (..., C, n, n + 1)`` from ``grad_E = dL/dE (..., C, n, n + 1)`` through :func:`step_matrices` (the
+    adjoint of the matrix exponential, which the compiled kernels' ``step_matrices_vjp`` compute in kernels of their
+    own), by autograd over chunks of ``_EXPM_CHUNK`` cells: ``matrix_exp``'s backward works on doubled matrices with
+    many temporaries."""
     shape = A.shape
     flat_A, flat_grad = A.detach().reshape(-1, *shape[-2:]), grad_E.reshape(-1, *shape[-2:])
     out = torch.empty_like(flat_A)
@@ -352,7 +354,7 @@ class CPABIntegrate(torch.autograd.Function):
                     outer[..., n] = lam
                     moments.scatter_add_(1, c.unsqueeze(-1).expand(-1, -1, n * m), outer.view(B, -1, n * m))
                 lam = _linear_transposed(_select(E, c), lam)
-        grad_A = None if moments is None else _step_matrices_vjp(A, ctx.t / steps, moments.view(E.shape))
+        grad_A = None if moments is None else step_matrices_vjp(A, ctx.t / steps, moments.view(E.shape))
         return (lam if need_points else None), grad_A, None, None, None, None
 
 
@@ -371,7 +373,7 @@ def integrate(
     ``points (N, n) | (B, N, n)``, ``A (C, n, n + 1) | (B, C, n, n + 1)`` -> ``(B?, N, n)``, domain coordinates.
     ``backend``: ``"reference"`` (:func:`integrate_reference`, unrolled autograd), ``"torch"`` (:class:`CPABIntegrate`,
     the factorized adjoint, ``checkpoint_every`` steps per recomputed segment), ``"numba"`` (the same compiled for the
-    CPU, ``regkit_kernels.cpab_numba``; it recomputes each point's trajectory and ignores ``checkpoint_every``),
+    CPU, ``regkit_kernels.numba.cpab``; it recomputes each point's trajectory and ignores ``checkpoint_every``),
     ``"triton"`` (the same in fused kernels, ``regkit_kernels.cpab``; CUDA) or ``"auto"`` (``"triton"`` on CUDA,
     ``"numba"`` on the CPU, ``"torch"`` where their kernels do not import).
     All backends return the same values and the same gradients (``"numba"`` and ``"triton"`` up to the rounding of
@@ -388,7 +390,7 @@ def integrate(
         fused = load_kernels("cpab").cpab_integrate
         return _unbatched(fused(P, A4, tess, t=t, steps=steps, checkpoint_every=checkpoint_every), keep)
     if chosen == "numba":
-        return _unbatched(load_kernels("cpab_numba").cpab_integrate(P, A4, tess, t=t, steps=steps), keep)
+        return _unbatched(load_kernels("numba.cpab").cpab_integrate(P, A4, tess, t=t, steps=steps), keep)
     return _unbatched(CPABIntegrate.apply(P, A4, tess, float(t), int(steps), int(checkpoint_every)), keep)
 
 

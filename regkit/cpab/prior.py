@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from regkit.cpab.basis import CPABasis, _cell_inverses
+from regkit.cpab.basis import CPABasis, cell_inverses
 
 # Largest K chunk (entries, float64: 256 MiB) assembled at once.
 _CHUNK_ELEMENTS = 2**25
@@ -73,7 +73,7 @@ def unit_box_jacobian(basis: CPABasis) -> torch.Tensor:
 def _vertex_gram(basis: CPABasis) -> torch.Tensor:
     """``G_v = sum_m P_m^T P_m`` (``V x V`` float64): the Gram matrix of the unit-box vertex hat functions' maps."""
     tess = basis.tess
-    inverse = torch.from_numpy(_cell_inverses(tess, normalised=True))
+    inverse = torch.from_numpy(cell_inverses(tess, normalised=True))
     ids = tess.cell_vertex_ids()
     gram = torch.zeros(tess.n_vertices, tess.n_vertices, dtype=torch.float64)
     gram.index_put_((ids[:, :, None], ids[:, None, :]), inverse @ inverse.transpose(1, 2), accumulate=True)
@@ -86,7 +86,7 @@ def _vertex_kernel(basis: CPABasis, length_scale: float) -> torch.Tensor:
     n_cells, n_verts, n = tess.n_cells, tess.n_vertices, tess.ndim
     centres = _normalised_centres(basis) / (math.sqrt(2.0) * length_scale)  # K = exp(-|c_i - c_j|^2)
     sq_norms = centres.square().sum(dim=1)
-    inverse = torch.from_numpy(_cell_inverses(tess, normalised=True))  # (C, k, m)
+    inverse = torch.from_numpy(cell_inverses(tess, normalised=True))  # (C, k, m)
     ids = tess.cell_vertex_ids()
     slots = torch.arange(n + 1)
     cells = torch.arange(n_cells)[:, None, None].expand(-1, n + 1, n + 1)
@@ -242,9 +242,12 @@ class CPABPrior:
         return scale * self.unwhiten(z)
 
 
-def _vertex_index_grid(basis: CPABasis, index: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    """Per axis (x, y, z) the sorted corner indices whose product is the set of vertices of the nodal coordinates
-    ``index`` (in their order: x fastest), or None when they are not such a product (2D centres, irregular sets)."""
+def vertex_index_grid(basis: CPABasis, index: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The vertices of the nodal coordinates ``index`` of ``basis`` (``basis.free_vertex[index]``) as a product of
+    per-axis sets, where they are one: per axis (x, y, z), the sorted int64 corner indices (positions in box units,
+    ``0 .. tess.shape[a]``) whose Cartesian product, x fastest (the order of vertex ids), is those vertices in the order
+    of ``index``. None in 2D (the rectangle centres are not on the corner lattice) and for sets that are no such
+    product. Where it is one, :class:`VertexPrior` factors its kernel axis by axis."""
     tess = basis.tess
     if tess.ndim != 3:
         return None
@@ -299,7 +302,7 @@ class VertexPrior:
         self.jitter = float(jitter)
         tess = basis.tess
         extent = torch.tensor(tess.upper, dtype=torch.float64) - torch.tensor(tess.lower, dtype=torch.float64)
-        vertices = (torch.from_numpy(tess._grid_vertices) / torch.tensor(tess.shape, dtype=torch.float64)).double()
+        vertices = tess.vertices_in_box_units() / torch.tensor(tess.shape, dtype=torch.float64)  # in the unit box
         amplitude = math.sqrt(self.variance) * self.length_scale
         # per block: (index, theta per unit velocity (k,), root factors, inverse root factors); factors are
         # [(R_x, R_y, R_z)] for the Kronecker form or [R] dense
@@ -309,7 +312,7 @@ class VertexPrior:
             if not index.numel():
                 continue
             per_theta = basis.scale[index] / extent[axis]  # unit-box velocity per theta_i
-            grid = _vertex_index_grid(basis, index)
+            grid = vertex_index_grid(basis, index)
             if grid is None:
                 points = vertices[basis.free_vertex[index]]
                 roots = [_symmetric_roots(self._kernel(points), self.jitter)]
@@ -320,6 +323,13 @@ class VertexPrior:
                 ]
             self._blocks.append((index, amplitude / per_theta, [r for r, _ in roots], [r_inv for _, r_inv in roots]))
         self._device_cache: dict[tuple[torch.dtype, torch.device], list[tuple]] = {}
+
+    @property
+    def factor_sizes(self) -> list[tuple[int, ...]]:
+        """Per velocity component that has parameters, the sides of its whitening factors (class docstring):
+        ``(n_x, n_y, n_z)`` for the Kronecker form (3D), ``(V,)`` for a dense ``V x V`` root (2D, and vertex sets that
+        are no product of per-axis sets). Memory grows with the sum of their squares."""
+        return [tuple(int(f.shape[0]) for f in roots) for _, _, roots, _ in self._blocks]
 
     def _kernel(self, points: torch.Tensor) -> torch.Tensor:
         return torch.exp(-torch.cdist(points, points).square() / (2 * self.length_scale**2))

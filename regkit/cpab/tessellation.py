@@ -197,6 +197,13 @@ class Tessellation:
         """(V, ndim) float64 domain coordinates of all mesh vertices (2D: corners, then rectangle centres)."""
         return torch.from_numpy(self._to_domain(self._grid_vertices))
 
+    def vertices_in_box_units(self) -> torch.Tensor:
+        """(V, ndim) float64 positions of all mesh vertices in box units, (x, y[, z]) order, in the order of
+        :meth:`vertices`: box ``(i, j[, k])`` spans ``[i, i + 1] x [j, j + 1] (x [k, k + 1])``, so the corners sit at
+        the integers ``0 .. shape[a]`` and the 2D rectangle centres at half-integers (exact values, whatever the
+        bounds). ``vertices() = lower + vertices_in_box_units() * (upper - lower) / shape``."""
+        return torch.from_numpy(self._grid_vertices.copy())
+
     def cell_vertex_ids(self) -> torch.Tensor:
         """(C, ndim + 1) int64 indices into ``vertices()`` of every cell's vertices."""
         return torch.from_numpy(self._cell_vertex_ids.copy())

@@ -1,6 +1,6 @@
 """Learned features for similarity: wavelet convolution layers (reference semantics, optional fused kernels) and the
-feature network built from them. Training (``regkit.features.train``, ``synth``, ``train_config``) is imported on
-demand."""
+feature network built from them. Training (:mod:`regkit.features.training`: ``train``, ``synth``, ``recipe``) is
+imported on demand."""
 
 # The feature network and its weights files
 from regkit.features.network import (

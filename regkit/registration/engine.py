@@ -17,7 +17,7 @@ rescaled to [0, 1] between their 0.5th and 99.5th percentiles.
 
 On CUDA, Adam iterations after the third of each level are replayed from a CUDA graph (:mod:`regkit.registration.steps`;
 ``cuda_graphs`` in the configuration): the host, not the GPU, bounds an eager iteration. Every objective must
-therefore stay capture-safe: no host synchronisation, no host-to-device copy (tests/regkit/registration/test_graphs.py).
+therefore stay capture-safe: no host synchronisation, no host-to-device copy (tests/regkit/registration/test_steps.py).
 """
 
 from __future__ import annotations

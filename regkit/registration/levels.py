@@ -150,6 +150,17 @@ def loss_on_level(level: Level, similarity: Similarity, moving_points: torch.Ten
     return similarity.loss_at_points(level.fixed, level.moving, level.moving_grid, moving_points, mask)
 
 
+def _divergence_cause(ctx: RunContext, stage_index: int, iteration: int) -> str:
+    """What a non-finite loss most likely means: at a level's first iteration the objective itself cannot be evaluated
+    (no step has been taken yet); later, the steps were too large."""
+    if iteration == 1:
+        masks = ctx.fixed_mask is not None or ctx.moving_mask is not None
+        where = "the masks leave no voxel where both images overlap, or " if masks else ""
+        hint = "; try dtype: float64" if ctx.dtype != torch.float64 else ""
+        return f"the loss is not finite before any step: {where}the similarity is undefined on these images{hint}"
+    return f"the loss became not finite; lower stages[{stage_index}].optimizer.learning_rate"
+
+
 def optimize_level(
     ctx: RunContext,
     stage_index: int,
@@ -198,7 +209,7 @@ def optimize_level(
         if not np.isfinite(loss):
             raise RegkitError(
                 f"stage {stage_index} ({stage.type}) diverged at level {level_index}, iteration {iteration}: "
-                "the loss is not finite; lower the learning rate"
+                + _divergence_cause(ctx, stage_index, iteration)
             )
         if ctx.progress is not None:
             ctx.progress(

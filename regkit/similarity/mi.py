@@ -1,6 +1,6 @@
 """The ``mi`` similarity: ``-MI``, the mutual information (nats) of a cubic B-spline Parzen joint histogram, in
 [-log(bins), 0] (options: :class:`MiSimilarity`). On the CPU the joint histogram and its adjoint run in numba kernels
-(``regkit_kernels.mi_numba``)."""
+(``regkit_kernels.numba.mi``)."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ class _JointHistogram(torch.autograd.Function):
 
     Forward and backward run over chunks of ``HIST_CHUNK`` voxels, so the dense ``(voxels, bins)`` memberships never
     exist for the whole image. On the CPU the same sums run in numba, 16 products per voxel
-    (``regkit_kernels.mi_numba``).
+    (``regkit_kernels.numba.mi``).
     """
 
     @staticmethod
@@ -105,7 +105,7 @@ class _JointHistogram(torch.autograd.Function):
         ctx.bins = bins
         ctx.numba = _backend.resolve_backend("auto", t_f.device, "mi", faces=MI_FACES) == "numba"
         if ctx.numba:
-            return _backend.load_kernels("mi_numba").joint_histogram(t_f, t_g, w, bins)
+            return _backend.load_kernels("numba.mi").joint_histogram(t_f, t_g, w, bins)
         joint = t_f.new_zeros(t_f.shape[0], bins, bins)
         for sl in _chunks(t_f.shape[1]):
             p_f = _parzen(t_f[:, sl], bins, False) * w[:, sl, None]
@@ -118,7 +118,7 @@ class _JointHistogram(torch.autograd.Function):
         bins = ctx.bins
         need_f, need_g, need_w = ctx.needs_input_grad[:3]
         if ctx.numba:
-            kernels = _backend.load_kernels("mi_numba")
+            kernels = _backend.load_kernels("numba.mi")
             return (*kernels.joint_histogram_backward(t_f, t_g, w, grad, bins, (need_f, need_g, need_w)), None)
         grads: list[list[torch.Tensor]] = [[], [], []]
         for sl in _chunks(t_f.shape[1]):

@@ -48,7 +48,7 @@ def box_sum(image: torch.Tensor, window: int | Sequence[int], backend: str = "au
 
     ``window`` is odd, in voxels, in index order. ``backend``: ``"torch"`` computes each axis as a difference of
     cumulative sums (the cost does not depend on the window size); ``"numba"`` (CPU tensors,
-    ``regkit_kernels.filters_numba``) keeps running sums along x and z and adds the buffered rows along y, in two
+    ``regkit_kernels.numba.filters``) keeps running sums along x and z and adds the buffered rows along y, in two
     passes over memory, several times faster on the CPU; ``"auto"`` takes numba on the CPU where it imports. The
     filter is self-adjoint, and its backward pass is the same box sum.
     """
@@ -61,7 +61,7 @@ def box_sum(image: torch.Tensor, window: int | Sequence[int], backend: str = "au
 
 def _box_sum(image: torch.Tensor, sizes: tuple[int, ...], backend: str) -> torch.Tensor:
     if backend == "numba":
-        return load_kernels("filters_numba").box_sums(image, sizes)
+        return load_kernels("numba.filters").box_sums(image, sizes)
     out = image
     for index_axis, k in enumerate(sizes):
         if k == 1:
@@ -108,7 +108,7 @@ def gaussian_smooth(image: torch.Tensor, sigma: float | Sequence[float], backend
     kernels = [None if s == 0 else gaussian_kernel1d(s, image.dtype, image.device) for s in sigmas]
     chosen = resolve_backend(backend, image.device, "filters", faces=_BOX_FACES)
     if chosen == "numba" and not (image.requires_grad and torch.is_grad_enabled()):
-        return load_kernels("filters_numba").separable(image, kernels, edge=True)
+        return load_kernels("numba.filters").separable(image, kernels, edge=True)
     out = image
     for index_axis, kernel in enumerate(kernels):
         if kernel is None:

@@ -35,7 +35,7 @@ def sample_image(
 
     Differentiable with respect to ``world_points`` and ``image`` (``torch.nn.functional.grid_sample`` with
     ``align_corners=True``, index ``i`` on an axis of size ``s`` mapping to ``2 i / (s - 1) - 1``). On the CPU, linear
-    sampling of an image that needs no gradient runs in numba (``regkit_kernels.sampling_numba``: the same values up
+    sampling of an image that needs no gradient runs in numba (``regkit_kernels.numba.sampling``: the same values up
     to rounding, differentiable with respect to the points). Integer images
     (label maps) are sampled in float32 and, with ``mode="nearest"``, returned in their own dtype.
     """
@@ -62,7 +62,7 @@ def sample_image(
     batch_shape = world_points.shape[:-1]
     face = resolve_backend("auto", values.device, "sampling", faces=_LINEAR_FACES)
     if mode == "linear" and face == "numba" and not (values.requires_grad and torch.is_grad_enabled()):
-        out = load_kernels("sampling_numba").linear(values, index.reshape(-1, n)).reshape(-1, *batch_shape) + padding
+        out = load_kernels("numba.sampling").linear(values, index.reshape(-1, n)).reshape(-1, *batch_shape) + padding
         return out.squeeze(0) if image.ndim == n else out
     sizes = device_constant(
         tuple(3.0 if v else float(s) for v, s in zip(thin, grid.size, strict=True)), index.dtype, index.device

@@ -1,14 +1,15 @@
 """``python -m benchmarks accuracy``: its metrics against hand-computed values, its pair generator, a tiny regkit run.
 
-tests/core/test_metrics.py covers the metric functions themselves (Dice of hand-made maps, the determinant of linear
-fields, Learn2Reg's Jacobian and SDlogJ, HD95 of shifted cubes); here they are checked through ``evaluate``, the way the
-benchmark applies them to a tool's displacement field.
+tests/regkit/spatial/test_metrics.py covers the metric functions themselves (Dice of hand-made maps, the determinant of
+linear fields, Learn2Reg's Jacobian and SDlogJ, HD95 of shifted cubes); here they are checked through ``evaluate``, the
+way the benchmark applies them to a tool's displacement field.
 """
 
 from __future__ import annotations
 
 import csv
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from regkit.io import Image, write_displacement
 from regkit.spatial.grid import Grid
 from regkit.spatial.metrics import mean_dice
 from regkit.spatial.sampling import sample_image
-from tests.data import ITK_DATA
+from tests.helpers import ITK_DATA
 
 
 def _pair(fixed_labels: torch.Tensor, moving_labels: torch.Tensor, grid: Grid, truth: torch.Tensor | None) -> BenchPair:
@@ -174,7 +175,7 @@ def test_tiny_regkit_only_run_writes_the_tables(tmp_path: Path):
     out = tmp_path / "bench"
     args = ["accuracy", "--pairs", "mni2d", "--deformations", "1", "--tools", "regkit-lncc,ants"]
     args += ["--regkit-config", f"lncc-2d={config}", "--bench-python", str(tmp_path / "none" / "python")]
-    args += ["--threads", "1", "--out", str(out)]
+    args += ["--threads", "1", "--out", str(out), "--output", str(tmp_path / "accuracy.md")]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     rows = {row["tool"]: row for row in csv.DictReader((out / "accuracy.csv").open())}
@@ -186,8 +187,8 @@ def test_tiny_regkit_only_run_writes_the_tables(tmp_path: Path):
     assert float(ours["dice_tool_warp"]) == pytest.approx(float(ours["dice"]), abs=0.02)
     assert float(ours["folds"]) == 0.0 and float(ours["epe_mm"]) < float(rows["before"]["epe_mm"])
     assert float(ours["registration_s"]) > 0 and 50 < float(ours["peak_rss_mib"]) < 4000
-    markdown = (out / "accuracy.md").read_text()
-    assert "--pairs mni2d --tools regkit-lncc,ants" in markdown
+    markdown = (tmp_path / "accuracy.md").read_text()
+    assert markdown.startswith(f"# `{shlex.join(['python', '-m', 'benchmarks', *args])}`")
     assert "| tool | Dice | HD95 mm | folds | SDlogJ | EPE mm | reg s | wall s | peak RSS MiB | GPU MiB |" in markdown
     assert (out / "runs" / "mni2d-0" / "regkit-lncc" / "displacement.mha").is_file()
 

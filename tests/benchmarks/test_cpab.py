@@ -36,7 +36,7 @@ def test_bench_cpab_methods_option(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     markdown = out.read_text()
-    assert "--methods factorized" in markdown
+    assert markdown.startswith(f"# `python -m benchmarks cpab --quick --methods factorized --output {out}`\n")
     assert "unrolled autograd" not in markdown
     assert markdown.count("forward sensitivity |") == 1  # the comparison's row only
     bad = CliRunner().invoke(app, ["cpab", "--quick", "--methods", "fused"])

@@ -3,6 +3,7 @@ writes its table."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ def test_bench_features_3d_quick_with_the_lncc_term(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exit_code == 0, result.output
     markdown = out.read_text()
-    assert "--part 3d --device cpu --cases 1 --distance cosine --distance lncc --features-lncc 1 --quick" in markdown
+    assert markdown.startswith(f"# `{shlex.join(['python', '-m', 'benchmarks', *map(str, args)])}`")
     features = "features (warp_image) | features + 1 lncc | "
     features += "features (lncc distance) | features (lncc distance) + 1 lncc"
     assert f"| pair | before | affine only | {features} | mi | lncc |" in markdown

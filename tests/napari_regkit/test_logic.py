@@ -42,14 +42,11 @@ from regkit.registration import Cancelled, Progress, RegistrationResult
 from regkit.results import resample
 from regkit.spatial.grid import Grid
 from regkit.transform import Transformation
+from tests.helpers import rotation
 
 
 def _oblique_grid() -> Grid:
-    angle = 0.3
-    rotation = np.array(
-        [[np.cos(angle), -np.sin(angle), 0.0], [np.sin(angle), np.cos(angle), 0.0], [0.0, 0.0, 1.0]]
-    ) @ np.diag([1.0, -1.0, -1.0])
-    return Grid.create((7, 5, 4), (1.5, 0.8, 2.0), (10.0, -20.0, 5.5), rotation)
+    return Grid.create((7, 5, 4), (1.5, 0.8, 2.0), (10.0, -20.0, 5.5), rotation(0.3, 3) @ np.diag([1.0, -1.0, -1.0]))
 
 
 def _random_cpab(grid: Grid, seed: int = 0) -> CPAB:

@@ -32,6 +32,7 @@ from regkit.registration import register  # noqa: E402
 from regkit.results import resample, write_outputs  # noqa: E402
 from regkit.spatial.grid import Grid  # noqa: E402
 from regkit.transform import Transformation  # noqa: E402
+from tests.helpers import gaussian_blobs, rotation  # noqa: E402
 
 TIMEOUT_MS = 60_000
 QUICK_CPAB = """\
@@ -51,13 +52,6 @@ stages:
 """
 
 
-def _blobs(grid: Grid, centres: list[tuple[float, ...]]) -> Image:
-    """Gaussian blobs (sigma 4 mm) at world points ``centres``: a smooth image with structure to register."""
-    world = grid.world_points(torch.float32)
-    values = sum(torch.exp(-((world - torch.tensor(c)) ** 2).sum(-1) / 32.0) for c in centres)
-    return Image(values.float(), grid)
-
-
 def _pair(ndim: int) -> tuple[Image, Image, Image]:
     """Fixed and moving images on different grids (the 3D fixed grid oblique), and the moving labels."""
     if ndim == 2:
@@ -66,14 +60,13 @@ def _pair(ndim: int) -> tuple[Image, Image, Image]:
         centres = [(0.0, 20.0), (12.0, 28.0), (20.0, 18.0)]
         shift = (2.0, -1.5)
     else:
-        angle = 0.3
-        rotation = [[np.cos(angle), -np.sin(angle), 0.0], [np.sin(angle), np.cos(angle), 0.0], [0.0, 0.0, 1.0]]
-        fixed_grid = Grid.create((18, 16, 14), (2.0, 2.5, 3.0), (-12.0, -10.0, -18.0), rotation)
+        fixed_grid = Grid.create((18, 16, 14), (2.0, 2.5, 3.0), (-12.0, -10.0, -18.0), rotation(0.3, 3))
         moving_grid = Grid.create((20, 18, 16), (2.0, 2.0, 2.5), (-18.0, -16.0, -20.0))
         centres = [(0.0, 8.0, 0.0), (10.0, 18.0, 6.0), (-6.0, 20.0, -4.0)]
         shift = (2.0, -1.5, 1.0)
-    fixed = _blobs(fixed_grid, centres)
-    moving = _blobs(moving_grid, [tuple(c + s for c, s in zip(centre, shift, strict=True)) for centre in centres])
+    fixed = gaussian_blobs(fixed_grid, centres, 32.0, dtype=torch.float32)  # sigma 4 mm
+    shifted = [tuple(c + s for c, s in zip(centre, shift, strict=True)) for centre in centres]
+    moving = gaussian_blobs(moving_grid, shifted, 32.0, dtype=torch.float32)
     labels = Image((moving.data > 0.5).to(torch.uint8), moving_grid)
     return fixed, moving, labels
 

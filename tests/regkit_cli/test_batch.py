@@ -15,6 +15,7 @@ import torch
 from regkit.batch import MANIFEST, Manifest, lock_output_root
 from regkit.io import Image, read_image, write_image
 from regkit.spatial.grid import Grid
+from tests.helpers import gaussian_blobs, run_cli
 from tests.regkit.batch.batch_cases import (
     LIST_SPEC,
     TINY_CONFIG,
@@ -23,7 +24,6 @@ from tests.regkit.batch.batch_cases import (
     make_data,
     write_spec,
 )
-from tests.regkit_cli.cli import run_cli
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys, monkeypatch):
@@ -86,9 +86,7 @@ def test_invalid_spec_and_lock_are_one_line_errors(tmp_path, capsys):
 
 def blob3d(shift: float, size: int = 12) -> Image:
     """A 3D Gaussian blob, shifted by ``shift`` mm in x."""
-    grid = Grid.create((size, size, size))
-    p = grid.world_points(torch.float64)
-    return Image(torch.exp(-((p - torch.tensor([5.0 + shift, 6.0, 6.0])) ** 2).sum(-1) / 8.0).float(), grid)
+    return gaussian_blobs(Grid.create((size, size, size)), [(5.0 + shift, 6.0, 6.0)], 8.0)
 
 
 MIXED_SPEC = (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from regkit.config import load_config
-from tests.regkit_cli.cli import run_cli
+from tests.helpers import run_cli
 
 
 def test_valid_preset(capsys):

@@ -7,41 +7,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-from typer.testing import CliRunner
-
-from regkit_cli.main import app
-from tests.regkit_cli.cli import run_cli
-
-# A few iterations at shrink 4: the whole pipeline (pair, registration, outputs) in seconds, not the demo's accuracy.
-TINY_CONFIG = """\
-dim: 3
-stages:
-  - {type: moments}
-  - type: affine
-    similarity: {name: ncc}
-    pyramid: [{shrink: 4, smoothing: 2.0}]
-    optimizer: {learning_rate: 0.5, iterations: 10}
-  - type: cpab
-    similarity: {name: lncc, window: 5}
-    pyramid: [{shrink: 4, smoothing: 2.0}]
-    optimizer: {learning_rate: 0.05, iterations: 5}
-    tessellation: [4]
-    steps: 5
-"""
+from tests.helpers import TINY_3D_CONFIG, run_cli
 
 
-def test_demo_help_names_its_options_without_importing_torch() -> None:
-    result = CliRunner().invoke(app, ["demo", "--help"])
-    assert result.exit_code == 0, result.output
+def test_demo_help_names_its_options_without_importing_torch(capsys) -> None:
+    assert run_cli(["demo", "--help"]) == 0
+    output = capsys.readouterr().out
     for option in ("--output", "--device", "--overwrite", "--quiet", "--config"):
-        assert option in result.output
+        assert option in output, output
     code = "import sys; from regkit_cli.main import app; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_demo_tiny_run_prints_metrics_and_writes_outputs(tmp_path: Path, capfd) -> None:
     config = tmp_path / "tiny.yaml"
-    config.write_text(TINY_CONFIG)
+    config.write_text(TINY_3D_CONFIG)
     out = tmp_path / "demo"
     assert run_cli(["demo", "-o", str(out), "--config", str(config)]) == 0
     printed = capfd.readouterr().out

@@ -13,8 +13,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from tests.data import itk_example, nibabel_data
-from tests.regkit_cli.cli import run_cli
+from tests.helpers import itk_example, nibabel_data, run_cli
 
 
 def _fields(out: str) -> dict[str, str]:

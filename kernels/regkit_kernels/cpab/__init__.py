@@ -1,6 +1,6 @@
 """Fused Triton kernels for the CPAB expm-step scheme (2D and 3D), forward and the factorized adjoint.
 
-Ladder: ``_cpab_fwd_kernel`` / ``_cpab_bwd_kernel`` (``kernels.py``) -> launchers ``cpab_fwd`` / ``cpab_bwd`` ->
+Ladder: ``cpab_fwd_kernel`` / ``cpab_bwd_kernel`` (``kernels.py``) -> launchers ``cpab_fwd`` / ``cpab_bwd`` ->
 ``CPABIntegrateTriton`` (with ``expm.step_matrices`` / ``step_matrices_vjp`` for ``E`` and ``dL/dA``) ->
 ``cpab_integrate(points, A, tess, *, t, steps, checkpoint_every)``, which
 ``regkit.cpab.integrate.integrate(..., backend="triton")`` calls. ``point_order`` sorts points shared by a batch by

@@ -140,7 +140,7 @@ def _degree(norm, DEG: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["R"])
-def _step_matrices_kernel(
+def step_matrices_kernel(
     a_ptr, e_ptr, h0, h1, h2, R, NDIM: tl.constexpr, DEG: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
     """``e[r] = (expm(h [a[r]; 0]))[:NDIM]`` for ``R`` row-major ``NDIM x (NDIM + 1)`` matrices, written as padded
@@ -170,7 +170,7 @@ def _step_matrices_kernel(
 
 
 @triton.jit(do_not_specialize=["R"])
-def _step_matrices_vjp_kernel(
+def step_matrices_vjp_kernel(
     a_ptr, g_ptr, out_ptr, h0, h1, h2, R, NDIM: tl.constexpr, DEG: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
     """``out[r] = h L[:NDIM, :NDIM + 1]``, ``L`` the top-right block of ``expm([[X^T, G'], [0, X^T]])`` with
@@ -250,7 +250,7 @@ def step_matrices(A: Tensor, h: float) -> Tensor:
     A = A.contiguous()
     E = A.new_empty((*A.shape[:-1], 4))
     n = A.shape[-2]
-    _launch(_step_matrices_kernel, A.numel() // (n * (n + 1)), A, E, h=h, dtype=A.dtype, ndim=n)
+    _launch(step_matrices_kernel, A.numel() // (n * (n + 1)), A, E, h=h, dtype=A.dtype, ndim=n)
     return E
 
 
@@ -260,5 +260,5 @@ def step_matrices_vjp(A: Tensor, h: float, grad_E: Tensor) -> Tensor:
     A, grad_E = A.contiguous(), padded_rows(grad_E)
     out = torch.empty_like(A)
     n = A.shape[-2]
-    _launch(_step_matrices_vjp_kernel, A.numel() // (n * (n + 1)), A, grad_E, out, h=h, dtype=A.dtype, ndim=n)
+    _launch(step_matrices_vjp_kernel, A.numel() // (n * (n + 1)), A, grad_E, out, h=h, dtype=A.dtype, ndim=n)
     return out

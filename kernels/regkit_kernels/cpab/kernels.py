@@ -167,8 +167,8 @@ def _points_of(perm_ptr, idx, ok, PERMUTED: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N", "NX", "NY"])
-def _cell_kernel(x_ptr, geom_ptr, out_ptr, N, NX, NY, NDIM: tl.constexpr, DIVIDE: tl.constexpr, BLOCK: tl.constexpr):
-    """``out (N,)`` int32: the cell of each of the points ``x (N, NDIM)`` (the sort key of ``ops._order``)."""
+def cell_kernel(x_ptr, geom_ptr, out_ptr, N, NX, NY, NDIM: tl.constexpr, DIVIDE: tl.constexpr, BLOCK: tl.constexpr):
+    """``out (N,)`` int32: the cell of each of the points ``x (N, NDIM)`` (the sort key of ``ops.point_order``)."""
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < N
     x0, x1, x2 = _load_points(x_ptr, idx, ok, NDIM)
@@ -176,7 +176,7 @@ def _cell_kernel(x_ptr, geom_ptr, out_ptr, N, NX, NY, NDIM: tl.constexpr, DIVIDE
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _cpab_fwd_kernel(
+def cpab_fwd_kernel(
     x_ptr, x_batch_stride, perm_ptr, e_ptr, geom_ptr, out_ptr, ckpt_ptr, B, N, C, NX, NY, T, K, NDIM: tl.constexpr,
     DIVIDE: tl.constexpr, PERMUTED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -250,7 +250,7 @@ def _moments(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, l0, l1, l2, x0, x
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _cpab_bwd_kernel(
+def cpab_bwd_kernel(
     x_ptr, x_batch_stride, perm_ptr, ckpt_ptr, g_ptr, e_ptr, geom_ptr, gx_ptr, mom_ptr, B, N, C, NX, NY, T, K,
     NDIM: tl.constexpr, SEG: tl.constexpr, SLOTS: tl.constexpr, UNIFORM: tl.constexpr, MOMENTS: tl.constexpr,
     POINTS: tl.constexpr, DIVIDE: tl.constexpr, PERMUTED: tl.constexpr, BLOCK: tl.constexpr,

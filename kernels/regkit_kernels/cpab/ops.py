@@ -10,7 +10,6 @@ by the backward kernel) back to ``dL/dA`` with the kernels of ``expm.py``.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -20,27 +19,38 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from regkit_kernels.cpab.expm import padded_rows, step_matrices, step_matrices_vjp
-from regkit_kernels.cpab.kernels import _cell_kernel, _cpab_bwd_kernel, _cpab_fwd_kernel
+from regkit_kernels.cpab.kernels import cell_kernel, cpab_bwd_kernel, cpab_fwd_kernel
+from regkit_kernels.launch import interpreter_on, pow2
+
+# Module state read at every call, public: the tests set the tunables to reach the GPU's tilings and code paths in the
+# interpreter, and the benchmarks clear the point orders to time the sort.
+INTERPRETER_BLOCK = 1 << 12
+"""Points per program under Triton's interpreter, where every program costs Python overhead: few, large ones."""
+UNIFORM = True
+"""Whether the backward kernel skips the moment flush program-wide at steps where no point of a program changes cell
+(else each point flushes at every step)."""
+SORT_MIN = 1 << 14
+"""Points shared by a batch are sorted by starting cell (:func:`point_order`) from this many on; fewer are not worth
+sorting."""
+POINT_ORDERS: dict[tuple[Any, ...], Tensor] = {}
+"""The point orders of the last few point tensors, as :func:`point_order` computed them (any order gives the same
+results); clear it to make the next call sort again."""
 
 _BLOCK = 128  # points per program of the forward kernel on the GPU (one per thread with 4 warps)
 _NUM_WARPS = 4
-# The backward kernel's programs are one warp, with the program-wide flush skip (``_UNIFORM``): a reduction over a
+# The backward kernel's programs are one warp, with the program-wide flush skip (``UNIFORM``): a reduction over a
 # program is then a few warp shuffles (over 4 warps it takes a barrier) and a flush is skipped per warp. On the H200
 # (registration grid, 16^3 cells, checkpoints every 5 steps) the backward kernel took 1.55 ms so; with programs of 4
 # warps and no skip 1.72-1.79 (1.88-1.90 capped at 96 registers); capped, one warp with the skip 1.75, 4 warps 2.40.
 _BWD_BLOCK = 32
 _BWD_WARPS = 1
-_UNIFORM = True  # the backward kernel skips the moment flush program-wide at steps where no point changes cell
-# Register cap of the float32 backward kernel (None: ptxas's choice). Session 4's cap of 96 (for 5 programs of 128
-# threads per SM) made the grid's backward with checkpoints every 5 steps slower on the H200: 1.90 ms against 1.72.
+# Register cap of the float32 backward kernel (None: ptxas's choice). A cap of 96 (for 5 programs of 128 threads per
+# SM) made the grid's backward with checkpoints every 5 steps slower on the H200: 1.90 ms against 1.72.
 _MAXNREG: int | None = None
-_INTERPRETER_BLOCK = 1 << 12  # under TRITON_INTERPRET=1 every program costs Python overhead: few, large ones
 _DTYPES = (torch.float32, torch.float64)
 _SEGMENT = 5  # steps per unrolled sub-segment of the backward kernel (compile time grows about as its cube)
 _GEOMETRY: dict[tuple[Any, ...], tuple[Tensor, bool]] = {}
-_SORT_MIN = 1 << 14  # shared points below this many are not worth sorting
-_ORDERS: dict[tuple[Any, ...], Tensor] = {}  # the last few point orders (any order gives the same results)
-_ORDERS_KEPT = 4
+_ORDERS_KEPT = 4  # entries of POINT_ORDERS
 
 
 class Box(Protocol):
@@ -49,10 +59,6 @@ class Box(Protocol):
     shape: tuple[int, ...]
     lower: Sequence[float]
     upper: Sequence[float]
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _geometry(tess: Box, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, bool]:
@@ -86,7 +92,7 @@ def _check(points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: i
         raise ValueError(f"E must be ({points.shape[0]}, {cells}, {n}, {n + 1} or 4), got {tuple(E.shape)}")
     if points.dtype not in _DTYPES or E.dtype != points.dtype or E.device != points.device:
         raise ValueError(f"points and E must share a float32/float64 dtype and a device, got {points.dtype}, {E.dtype}")
-    if points.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if points.device.type != "cuda" and not interpreter_on():
         raise ValueError("the fused CPAB kernels need CUDA tensors (or TRITON_INTERPRET=1 with CPU tensors)")
     if steps < 1 or checkpoint_every < 1:
         raise ValueError(f"steps and checkpoint_every must be positive, got {steps} and {checkpoint_every}")
@@ -106,19 +112,19 @@ def _or(table: Tensor, fallback: Tensor) -> Tensor:
 def _launch_args(points: Tensor, tess: Box, gpu_block: int) -> tuple[tuple[int, int], int, int, int]:
     """Grid, block (``gpu_block`` on the GPU), and the x / y box counts."""
     B, N, _ = points.shape
-    block = min(_INTERPRETER_BLOCK, _pow2(N)) if points.device.type == "cpu" else gpu_block
+    block = min(INTERPRETER_BLOCK, pow2(N)) if points.device.type == "cpu" else gpu_block
     return (triton.cdiv(N, block), B), block, tess.shape[0], tess.shape[1]
 
 
 def point_order(points: Tensor, tess: Box) -> Tensor | None:
     """An order of the points in which neighbouring lanes start in neighbouring cells (int32 ``(N,)``, sorted by
     starting cell), or ``None`` where sorting does not pay: unless ``points (B, N, n)`` are shared by the batch
-    (stride 0), ``B >= 2`` and ``N >= _SORT_MIN``. The flow keeps neighbours together, so the kernels' reads of the
+    (stride 0), ``B >= 2`` and ``N >= SORT_MIN``. The flow keeps neighbours together, so the kernels' reads of the
     step-matrix table stay coherent within a warp through all steps (random points: about half the kernels' time).
     The order of the same, unmodified tensor is reused (any order gives the same results, so a reused one can cost
     speed only)."""
     B, N, n = points.shape
-    if points.stride(0) != 0 or B < 2 or N < _SORT_MIN:
+    if points.stride(0) != 0 or B < 2 or N < SORT_MIN:
         return None
     shape = tuple(tess.shape)
     key = (
@@ -132,17 +138,17 @@ def point_order(points: Tensor, tess: Box) -> Tensor | None:
         tuple(map(float, tess.lower)),
         tuple(map(float, tess.upper)),
     )
-    if key not in _ORDERS:
+    if key not in POINT_ORDERS:
         shared = _rows(points)[0]
         geometry, divide = _geometry(tess, points.dtype, points.device)
         cells = torch.empty(N, dtype=torch.int32, device=points.device)
-        _cell_kernel[(triton.cdiv(N, _BLOCK),)](
+        cell_kernel[(triton.cdiv(N, _BLOCK),)](
             shared, geometry, cells, N, shape[0], shape[1], NDIM=n, DIVIDE=divide, BLOCK=_BLOCK, num_warps=_NUM_WARPS
         )
-        if len(_ORDERS) >= _ORDERS_KEPT:
-            del _ORDERS[next(iter(_ORDERS))]
-        _ORDERS[key] = torch.argsort(cells).to(torch.int32)
-    return _ORDERS[key]
+        if len(POINT_ORDERS) >= _ORDERS_KEPT:
+            del POINT_ORDERS[next(iter(POINT_ORDERS))]
+        POINT_ORDERS[key] = torch.argsort(cells).to(torch.int32)
+    return POINT_ORDERS[key]
 
 
 def cpab_fwd(
@@ -162,7 +168,7 @@ def cpab_fwd(
     out = points.new_empty((B, N, n))
     checkpoints = points.new_empty((-(-steps // checkpoint_every) - 1, B, N, n))
     grid, block, nx, ny = _launch_args(points, tess, _BLOCK)
-    _cpab_fwd_kernel[grid](
+    cpab_fwd_kernel[grid](
         points, points.stride(0), points if order is None else order, E, geometry, out, _or(checkpoints, points),
         B, N, E.shape[1], nx, ny, steps, checkpoint_every,
         NDIM=n, DIVIDE=divide, PERMUTED=order is not None, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
@@ -197,11 +203,11 @@ def cpab_bwd(
     grad_E = torch.zeros_like(E) if moments else None
     segment = min(checkpoint_every, _SEGMENT)
     grid, block, nx, ny = _launch_args(grad_out, tess, _BWD_BLOCK)
-    _cpab_bwd_kernel[grid](
+    cpab_bwd_kernel[grid](
         points, points.stride(0), points if order is None else order, _or(checkpoints, points), grad_out, E, geometry,
         grad_out if grad_points is None else grad_points, E if grad_E is None else grad_E,
         B, N, E.shape[1], nx, ny, steps, checkpoint_every,
-        NDIM=n, SEG=segment, SLOTS=-(-checkpoint_every // segment), UNIFORM=_UNIFORM and moments, MOMENTS=moments,
+        NDIM=n, SEG=segment, SLOTS=-(-checkpoint_every // segment), UNIFORM=UNIFORM and moments, MOMENTS=moments,
         POINTS=point_grad, DIVIDE=divide, PERMUTED=order is not None, BLOCK=block, num_warps=_BWD_WARPS,
         enable_fp_fusion=False,
         maxnreg=_MAXNREG if E.dtype == torch.float32 else None,

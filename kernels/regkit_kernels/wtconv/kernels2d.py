@@ -1,4 +1,4 @@
-"""Fused WTConv kernels, 2D. See ``ops.py`` for the algorithm; the building blocks are in ``_tile.py``.
+"""Fused WTConv kernels, 2D. See ``ops.py`` for the algorithm; the building blocks are in ``tile.py``.
 
 The kernels read the layer's parameters as they are: each convolution's result is multiplied by its per-channel
 scale (and, for the Haar levels, by the orthonormal factor 1/2, so that the butterflies stay unnormalised). Sizes are
@@ -16,19 +16,19 @@ seconds of compile for sm_90 on the CPU. As functions of their own (the two call
 import triton
 import triton.language as tl
 
-from regkit_kernels.wtconv._tile import (
-    _block_at,
-    _butterfly2d,
-    _coarse_synthesis2d,
-    _divmod,
-    _haar_conv2d,
-    _level_tile,
-    _polyphase_conv2d,
-    _store_blocks2d,
-    _tile_coords,
-    _wgrad_finalize,
-    _wgrad_plan,
-    _within,
+from regkit_kernels.wtconv.tile import (
+    block_at,
+    butterfly2d,
+    coarse_synthesis2d,
+    fast_divmod,
+    haar_conv2d,
+    level_tile,
+    polyphase_conv2d,
+    store_blocks2d,
+    tile_coords,
+    wgrad_finalize,
+    wgrad_plan,
+    within,
 )
 
 # The weight-gradient kernel's layout, read by ops.py's plan too: an element of a step is WGRAD_PAIR neighbouring
@@ -47,7 +47,7 @@ def _store_bands2d(ptrs, size, e0, e1, e2, e3, ok):
 
 
 @triton.jit
-def _haar_lowpasses2d_kernel(
+def haar_lowpasses2d_kernel(
     # pointers: a plane stack [P, H, W] and its raw Haar low-passes of levels 1..DEPTH, one after the other
     # ([P, ceil(H / 2**j), ceil(W / 2**j)] each)
     src_ptr,
@@ -74,7 +74,7 @@ def _haar_lowpasses2d_kernel(
     p = p0 + r // TY
     y = y0 + r % TY
     x = x0 + tl.arange(0, TX)[None, :]
-    ok = (p < P) & _within(y, H) & _within(x, W)
+    ok = (p < P) & within(y, H) & within(x, W)
     v = tl.load(src_ptr + (p.to(tl.int64) * H + y) * W + x, mask=ok, other=0.0).to(tl.float32)
     offset = tl.cast(0, tl.int64)
     h = H
@@ -88,7 +88,7 @@ def _haar_lowpasses2d_kernel(
         p = p0 + r // (TY >> j)
         y = (y0 >> j) + r % (TY >> j)
         x = (x0 >> j) + tl.arange(0, TX >> j)[None, :]
-        ok = (p < P) & _within(y, h) & _within(x, w)
+        ok = (p < P) & within(y, h) & within(x, w)
         tl.store(low_ptr + offset + (p.to(tl.int64) * h + y) * w + x, v, mask=ok)
         offset += tl.cast(P, tl.int64) * h * w
 
@@ -96,14 +96,14 @@ def _haar_lowpasses2d_kernel(
 @triton.jit(noinline=True)
 def _level2d(low_ptr, params_ptr, z_ptr, pid, B, C, H, W, LEVELS: tl.constexpr, K: tl.constexpr,
              DIR: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """Program ``pid`` of the Haar levels 2..LEVELS (see ``_level_tile``): the depthwise conv (DIR = 1) or its adjoint
+    """Program ``pid`` of the Haar levels 2..LEVELS (see ``level_tile``): the depthwise conv (DIR = 1) or its adjoint
     (DIR = -1) of the sub-bands of the previous level's low-pass, recomputed on chip, into the level's part of the
     coarse buffer. ``params_ptr`` holds the level weights [L, C, 4, K*K] then the scales [L, C, 4]."""
-    level, c, plane, q, ok, _, h, w, low_off, z_off = _level_tile(pid, B, C, 1, H, W, LEVELS, 4, BLOCK)
+    level, c, plane, q, ok, _, h, w, low_off, z_off = level_tile(pid, B, C, 1, H, W, LEVELS, 4, BLOCK)
     wq = (w + 1) // 2
     size = (h + 1) // 2 * wq
     wc = (level - 1) * C + c
-    z0, z1, z2, z3 = _haar_conv2d(
+    z0, z1, z2, z3 = haar_conv2d(
         low_ptr + low_off + plane * h * w, params_ptr + wc * 4 * K * K, params_ptr + LEVELS * C * 4 * K * K + wc * 4,
         q // wq, q % wq, ok, h, w, K, DIR,
     )  # fmt: skip
@@ -111,7 +111,7 @@ def _level2d(low_ptr, params_ptr, z_ptr, pid, B, C, H, W, LEVELS: tl.constexpr, 
 
 
 @triton.jit
-def _wtconv2d_levels_kernel(
+def wtconv2d_levels_kernel(
     # pointers: the raw low-passes of levels 1..LEVELS-1 [B, C, ...] one after the other; the level weights and scales
     # (see ``_level2d``); output: the sub-bands Z of levels 2..LEVELS [B, C, 4, ...] one after the other
     low_ptr,
@@ -134,7 +134,7 @@ def _wtconv2d_levels_kernel(
 
 
 @triton.jit
-def _wtconv2d_fwd_kernel(
+def wtconv2d_fwd_kernel(
     # pointers: x and out [B, C, H, W]; base weights [C, K*K], bias [C] and scale [C]; the level weights and scales
     # (see ``_level2d``); the processed sub-bands of levels 2..LEVELS, one after the other
     x_ptr,
@@ -158,16 +158,16 @@ def _wtconv2d_fwd_kernel(
 ):
     """The output, one 2 x 2 block per level-1 position q: base conv + bias + synthesis of level 1 (computed here from
     x) and of the deeper levels (closed form), written once."""
-    c, plane, q, ok = _tile_coords(tl.program_id(0), B, C, H1 * W1, BLOCK)
+    c, plane, q, ok = tile_coords(tl.program_id(0), B, C, H1 * W1, BLOCK)
     qy = q // W1
     qx = q % W1
     xs = x_ptr + plane * H * W
-    z0, z1, z2, z3 = _haar_conv2d(
+    z0, z1, z2, z3 = haar_conv2d(
         xs, params_ptr + c * 4 * K * K, params_ptr + LEVELS * C * 4 * K * K + c * 4, qy, qx, ok, H, W, K, 1
     )
-    z0 += _coarse_synthesis2d(coarse_ptr, plane, qy, qx, ok, B * C, H, W, LEVELS)
-    r00, r01, r10, r11 = _butterfly2d(z0, z1, z2, z3)
-    a00, a01, a10, a11 = _polyphase_conv2d(xs, wb_ptr + c * K * K, qy, qx, ok, H, W, K, 1)
+    z0 += coarse_synthesis2d(coarse_ptr, plane, qy, qx, ok, B * C, H, W, LEVELS)
+    r00, r01, r10, r11 = butterfly2d(z0, z1, z2, z3)
+    a00, a01, a10, a11 = polyphase_conv2d(xs, wb_ptr + c * K * K, qy, qx, ok, H, W, K, 1)
     sb = tl.load(sb_ptr + c).to(tl.float32)
     bias = tl.load(bias_ptr + c).to(tl.float32) if HAS_BIAS else 0.0
     out = out_ptr + plane * H * W
@@ -175,14 +175,14 @@ def _wtconv2d_fwd_kernel(
     r01 = sb * (a01 + bias) + 0.5 * r01
     r10 = sb * (a10 + bias) + 0.5 * r10
     r11 = sb * (a11 + bias) + 0.5 * r11
-    _store_blocks2d(out, r00, r01, r10, r11, qy, qx, ok, H, W)
+    store_blocks2d(out, r00, r01, r10, r11, qy, qx, ok, H, W)
 
 
 @triton.jit
-def _wtconv2d_bwd_kernel(
+def wtconv2d_bwd_kernel(
     # pointers: output gradient and input gradient [B, C, H, W]; base weights [C, K*K], scale [C] and bias [C]; the
     # level weights and scales (see ``_level2d``); the sub-band gradients of levels 2..LEVELS one after the other;
-    # the weight-gradient partial sums and the parameter gradients (see ``_wgrad_finalize``)
+    # the weight-gradient partial sums and the parameter gradients (see ``wgrad_finalize``)
     dy_ptr,
     wb_ptr,
     sb_ptr,
@@ -209,27 +209,27 @@ def _wtconv2d_bwd_kernel(
 ):
     """The input gradient, one 2 x 2 block per level-1 position (programs below DX_PROGRAMS): the adjoint base conv of
     the output gradient plus the synthesis of all levels' sub-band gradients (level 1's computed here), written once.
-    The programs after them sum the weight-gradient partial sums up (``_wgrad_finalize``), in the same launch."""
+    The programs after them sum the weight-gradient partial sums up (``wgrad_finalize``), in the same launch."""
     pid = tl.program_id(0)
     if pid < DX_PROGRAMS:
-        c, plane, q, ok = _tile_coords(pid, B, C, H1 * W1, BLOCK)
+        c, plane, q, ok = tile_coords(pid, B, C, H1 * W1, BLOCK)
         qy = q // W1
         qx = q % W1
         dys = dy_ptr + plane * H * W
-        e0, e1, e2, e3 = _haar_conv2d(
+        e0, e1, e2, e3 = haar_conv2d(
             dys, params_ptr + c * 4 * K * K, params_ptr + LEVELS * C * 4 * K * K + c * 4, qy, qx, ok, H, W, K, -1
         )
-        e0 += _coarse_synthesis2d(coarse_ptr, plane, qy, qx, ok, B * C, H, W, LEVELS)
-        r00, r01, r10, r11 = _butterfly2d(e0, e1, e2, e3)
-        a00, a01, a10, a11 = _polyphase_conv2d(dys, wb_ptr + c * K * K, qy, qx, ok, H, W, K, -1)
+        e0 += coarse_synthesis2d(coarse_ptr, plane, qy, qx, ok, B * C, H, W, LEVELS)
+        r00, r01, r10, r11 = butterfly2d(e0, e1, e2, e3)
+        a00, a01, a10, a11 = polyphase_conv2d(dys, wb_ptr + c * K * K, qy, qx, ok, H, W, K, -1)
         sb = tl.load(sb_ptr + c).to(tl.float32)
         dx = dx_ptr + plane * H * W
-        _store_blocks2d(
+        store_blocks2d(
             dx, sb * a00 + 0.5 * r00, sb * a01 + 0.5 * r01, sb * a10 + 0.5 * r10, sb * a11 + 0.5 * r11, qy, qx, ok, H,
             W,
         )  # fmt: skip
     else:
-        _wgrad_finalize(
+        wgrad_finalize(
             part_ptr, params_ptr, wb_ptr, sb_ptr, bias_ptr, grads_ptr, pid - DX_PROGRAMS, B, C, 1, H, W, SPAN, LEVELS,
             4, K * K, TAPS, HAS_BIAS, BASE_SLOTS, WGRAD_PAIR,
         )  # fmt: skip
@@ -306,24 +306,24 @@ def _wgrad2d_level(
     for start in range(share * SPAN, end, BLOCK):
         n = start + tl.arange(0, BLOCK)
         ok = n < end
-        b, q = _divmod(n, Q, inv_q)
-        qy, px = _divmod(q, Wp, inv_w)
+        b, q = fast_divmod(n, Q, inv_q)
+        qy, px = fast_divmod(q, Wp, inv_w)
         qx = 2 * px  # the pair's first position; the second, qx + 1, exists where qx + 1 < Wq
         pos = (b * C + c).to(tl.int64) * H * W + (2 * qy * W + 2 * qx)
         gs = g_ptr + pos
         ok_g1 = ok & (qy < H2)
-        ga00, ga01, ga10, ga11 = _block_at(gs, W, ok, ok_g1, True, qx < W2)
-        gb00, gb01, gb10, gb11 = _block_at(gs + 2, W, ok, ok_g1, qx + 1 < Wq, qx + 1 < W2)
-        da0, da1, da2, da3 = _butterfly2d(ga00, ga01, ga10, ga11)
-        db0, db1, db2, db3 = _butterfly2d(gb00, gb01, gb10, gb11)
+        ga00, ga01, ga10, ga11 = block_at(gs, W, ok, ok_g1, True, qx < W2)
+        gb00, gb01, gb10, gb11 = block_at(gs + 2, W, ok, ok_g1, qx + 1 < Wq, qx + 1 < W2)
+        da0, da1, da2, da3 = butterfly2d(ga00, ga01, ga10, ga11)
+        db0, db1, db2, db3 = butterfly2d(gb00, gb01, gb10, gb11)
         vy = qy + uy
-        ok_y0 = ok & _within(vy, Hq)
-        ok_y1 = ok & _within(vy, H2)
+        ok_y0 = ok & within(vy, Hq)
+        ok_y1 = ok & within(vy, H2)
         src = src_ptr + pos + 2 * uy * W
         for v in tl.static_range(K + 1):
             ux = v - P
-            s00, s01, s10, s11 = _block_at(src + 2 * ux, W, ok_y0, ok_y1, _within(qx + ux, Wq), _within(qx + ux, W2))
-            ll, lh, hl, hh = _butterfly2d(s00, s01, s10, s11)
+            s00, s01, s10, s11 = block_at(src + 2 * ux, W, ok_y0, ok_y1, within(qx + ux, Wq), within(qx + ux, W2))
+            ll, lh, hl, hh = butterfly2d(s00, s01, s10, s11)
             if v < K:  # tap column v of the first position
                 hit = tx == v
                 acc0 = tl.where(hit, acc0 + (da0 * ll)[None, :], acc0)
@@ -359,20 +359,20 @@ def _wgrad2d_level(
         base = part_ptr + base_off + (share * C + c) * 2 * K * K + t
         t0 = 2 * uy + P + 0 * t  # tap row of (r, sy) = (0, 0) and (1, 1), as a vector (the interpreter takes no
         # mask made of a vector and a scalar)
-        tl.store(base + t0 * K, tl.sum(base00, axis=1), mask=t_ok & _within(t0, K))
-        tl.store(base + (K + t0 - 1) * K, tl.sum(base01, axis=1), mask=t_ok & _within(t0 - 1, K))
-        tl.store(base + (t0 + 1) * K, tl.sum(base10, axis=1), mask=t_ok & _within(t0 + 1, K))
-        tl.store(base + (K + t0) * K, tl.sum(base11, axis=1), mask=t_ok & _within(t0, K))
+        tl.store(base + t0 * K, tl.sum(base00, axis=1), mask=t_ok & within(t0, K))
+        tl.store(base + (K + t0 - 1) * K, tl.sum(base01, axis=1), mask=t_ok & within(t0 - 1, K))
+        tl.store(base + (t0 + 1) * K, tl.sum(base10, axis=1), mask=t_ok & within(t0 + 1, K))
+        tl.store(base + (K + t0) * K, tl.sum(base11, axis=1), mask=t_ok & within(t0, K))
         one = tl.arange(0, 1)
         bias_at = part_ptr + base_off + shares1 * C * 2 * K * K + share * C + c
         tl.store(bias_at + one, tl.sum(bias) + 0.0 * one, mask=(one + uy) == 0)
 
 
 @triton.jit
-def _wtconv2d_wgrad_kernel(
+def wtconv2d_wgrad_kernel(
     # pointers: the output gradient dy and x [B, C, H, W]; the low-passes of levels 1..L-1 of dy and of x, one after
     # the other; the level weights and scales (see ``_level2d``); outputs: the sub-band gradients of levels 2..L one
-    # after the other and the weight-gradient partial sums (see ``_wgrad_finalize``)
+    # after the other and the weight-gradient partial sums (see ``wgrad_finalize``)
     dy_ptr,
     x_ptr,
     glow_ptr,
@@ -397,12 +397,12 @@ def _wtconv2d_wgrad_kernel(
     gradient is the adjoint conv of the Haar analysis of the output gradient's low-pass, the adjoint of the closed-form
     synthesis) and, after them in the same launch, the weight gradients of every level, the base conv and the bias:
     program = (level, share, channel, tap row), tap row fastest (the K programs of a share read the same blocks), see
-    ``_wgrad_plan``; level 1 reads dy and x, deeper levels the low-passes."""
+    ``wgrad_plan``; level 1 reads dy and x, deeper levels the low-passes."""
     pid = tl.program_id(0)
     if pid < LEVEL_PROGRAMS:
         _level2d(glow_ptr, params_ptr, dz_ptr, pid, B, C, H, W, LEVELS, K, -1, LEVEL_BLOCK)
     else:
-        level, local, row0, off, _, h_in, w_in, rows = _wgrad_plan(
+        level, local, row0, off, _, h_in, w_in, rows = wgrad_plan(
             pid - LEVEL_PROGRAMS, B, C, C * K, 1, H, W, SPAN, LEVELS, WGRAD_PAIR
         )
         ty = local % K

@@ -8,19 +8,19 @@ k = 7. ``_wgrad3d_level`` is ``noinline`` for compile time, as in 2D (``kernels2
 import triton
 import triton.language as tl
 
-from regkit_kernels.wtconv._tile import (
-    _block_at,
-    _butterfly3d,
-    _coarse_synthesis3d,
-    _divmod,
-    _haar_conv3d,
-    _level_tile,
-    _polyphase_conv3d,
-    _store_blocks3d,
-    _tile_coords,
-    _wgrad_finalize,
-    _wgrad_plan,
-    _within,
+from regkit_kernels.wtconv.tile import (
+    block_at,
+    butterfly3d,
+    coarse_synthesis3d,
+    fast_divmod,
+    haar_conv3d,
+    level_tile,
+    polyphase_conv3d,
+    store_blocks3d,
+    tile_coords,
+    wgrad_finalize,
+    wgrad_plan,
+    within,
 )
 
 _R3: tl.constexpr = tl.constexpr(0.35355339059327373)  # 2**(-3/2), the orthonormal 3D Haar factor
@@ -48,7 +48,7 @@ def _store_bands3d(ptrs, size, e0, e1, e2, e3, e4, e5, e6, e7, ok):
 
 
 @triton.jit
-def _haar_lowpasses3d_kernel(
+def haar_lowpasses3d_kernel(
     # pointers: a volume stack [P, D, H, W] and its raw Haar low-passes of levels 1..DEPTH, one after the other
     src_ptr,
     low_ptr,
@@ -79,7 +79,7 @@ def _haar_lowpasses3d_kernel(
     z = z0 + r // TY % TZ
     y = y0 + r % TY
     x = x0 + tl.arange(0, TX)[None, :]
-    ok = (p < P) & _within(z, D) & _within(y, H) & _within(x, W)
+    ok = (p < P) & within(z, D) & within(y, H) & within(x, W)
     v = tl.load(src_ptr + ((p.to(tl.int64) * D + z) * H + y) * W + x, mask=ok, other=0.0).to(tl.float32)
     offset = tl.cast(0, tl.int64)
     d = D
@@ -97,7 +97,7 @@ def _haar_lowpasses3d_kernel(
         z = (z0 >> j) + r // (TY >> j) % (TZ >> j)
         y = (y0 >> j) + r % (TY >> j)
         x = (x0 >> j) + tl.arange(0, TX >> j)[None, :]
-        ok = (p < P) & _within(z, d) & _within(y, h) & _within(x, w)
+        ok = (p < P) & within(z, d) & within(y, h) & within(x, w)
         tl.store(low_ptr + offset + ((p.to(tl.int64) * d + z) * h + y) * w + x, v, mask=ok)
         offset += tl.cast(P, tl.int64) * d * h * w
 
@@ -107,14 +107,14 @@ def _level3d(low_ptr, params_ptr, z_ptr, pid, B, C, D, H, W, LEVELS: tl.constexp
              DIR: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Program ``pid`` of the Haar levels 2..LEVELS; see ``_level2d`` (``params_ptr``: weights [L, C, 8, K**3] then
     scales [L, C, 8])."""
-    level, c, plane, q, ok, d, h, w, low_off, z_off = _level_tile(pid, B, C, D, H, W, LEVELS, 8, BLOCK)
+    level, c, plane, q, ok, d, h, w, low_off, z_off = level_tile(pid, B, C, D, H, W, LEVELS, 8, BLOCK)
     hq = (h + 1) // 2
     wq = (w + 1) // 2
     size = (d + 1) // 2 * hq * wq
     qz, qy, qx = _grid_coords3d(q, hq, wq)
     wc = (level - 1) * C + c
     KKK: tl.constexpr = K * K * K
-    z0, z1, z2, z3, z4, z5, z6, z7 = _haar_conv3d(
+    z0, z1, z2, z3, z4, z5, z6, z7 = haar_conv3d(
         low_ptr + low_off + plane * d * h * w, params_ptr + wc * 8 * KKK, params_ptr + LEVELS * C * 8 * KKK + wc * 8,
         qz, qy, qx, ok, d, h, w, K, DIR,
     )  # fmt: skip
@@ -122,7 +122,7 @@ def _level3d(low_ptr, params_ptr, z_ptr, pid, B, C, D, H, W, LEVELS: tl.constexp
 
 
 @triton.jit
-def _wtconv3d_levels_kernel(
+def wtconv3d_levels_kernel(
     # pointers: the raw low-passes of levels 1..LEVELS-1 (of x or of the output gradient) one after the other; the
     # level weights and scales (see ``_level3d``); output: the sub-bands of levels 2..LEVELS (processed, or their
     # gradients) one after the other
@@ -146,7 +146,7 @@ def _wtconv3d_levels_kernel(
 
 
 @triton.jit
-def _wtconv3d_fwd_kernel(
+def wtconv3d_fwd_kernel(
     # pointers: x and out [B, C, D, H, W]; base weights [C, K**3], bias [C] and scale [C]; the level weights and
     # scales (see ``_level3d``); the processed sub-bands of levels 2..LEVELS, one after the other
     x_ptr,
@@ -172,18 +172,18 @@ def _wtconv3d_fwd_kernel(
 ):
     """The output, one 2 x 2 x 2 block per level-1 position (see the 2D kernel)."""
     KKK: tl.constexpr = K * K * K
-    c, plane, q, ok = _tile_coords(tl.program_id(0), B, C, D1 * H1 * W1, BLOCK)
+    c, plane, q, ok = tile_coords(tl.program_id(0), B, C, D1 * H1 * W1, BLOCK)
     qz, qy, qx = _grid_coords3d(q, H1, W1)
     xs = x_ptr + plane * D * H * W
-    z0, z1, z2, z3, z4, z5, z6, z7 = _haar_conv3d(
+    z0, z1, z2, z3, z4, z5, z6, z7 = haar_conv3d(
         xs, params_ptr + c * 8 * KKK, params_ptr + LEVELS * C * 8 * KKK + c * 8, qz, qy, qx, ok, D, H, W, K, 1
     )
-    z0 += _coarse_synthesis3d(coarse_ptr, plane, qz, qy, qx, ok, B * C, D, H, W, LEVELS)
-    r0, r1, r2, r3, r4, r5, r6, r7 = _butterfly3d(z0, z1, z2, z3, z4, z5, z6, z7)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _polyphase_conv3d(xs, wb_ptr + c * KKK, qz, qy, qx, ok, D, H, W, K, 1)
+    z0 += coarse_synthesis3d(coarse_ptr, plane, qz, qy, qx, ok, B * C, D, H, W, LEVELS)
+    r0, r1, r2, r3, r4, r5, r6, r7 = butterfly3d(z0, z1, z2, z3, z4, z5, z6, z7)
+    a0, a1, a2, a3, a4, a5, a6, a7 = polyphase_conv3d(xs, wb_ptr + c * KKK, qz, qy, qx, ok, D, H, W, K, 1)
     sb = tl.load(sb_ptr + c).to(tl.float32)
     bias = tl.load(bias_ptr + c).to(tl.float32) if HAS_BIAS else 0.0
-    _store_blocks3d(
+    store_blocks3d(
         out_ptr + plane * D * H * W,
         sb * (a0 + bias) + r0 * _R3,
         sb * (a1 + bias) + r1 * _R3,
@@ -204,10 +204,10 @@ def _wtconv3d_fwd_kernel(
 
 
 @triton.jit
-def _wtconv3d_bwd_kernel(
+def wtconv3d_bwd_kernel(
     # pointers: output gradient and input gradient [B, C, D, H, W]; base weights [C, K**3], scale [C] and bias [C];
     # the level weights and scales (see ``_level3d``); the sub-band gradients of levels 2..LEVELS one after the
-    # other; the weight-gradient partial sums and the parameter gradients (see ``_wgrad_finalize``)
+    # other; the weight-gradient partial sums and the parameter gradients (see ``wgrad_finalize``)
     dy_ptr,
     wb_ptr,
     sb_ptr,
@@ -239,17 +239,17 @@ def _wtconv3d_bwd_kernel(
     KKK: tl.constexpr = K * K * K
     pid = tl.program_id(0)
     if pid < DX_PROGRAMS:
-        c, plane, q, ok = _tile_coords(pid, B, C, D1 * H1 * W1, BLOCK)
+        c, plane, q, ok = tile_coords(pid, B, C, D1 * H1 * W1, BLOCK)
         qz, qy, qx = _grid_coords3d(q, H1, W1)
         dys = dy_ptr + plane * D * H * W
-        e0, e1, e2, e3, e4, e5, e6, e7 = _haar_conv3d(
+        e0, e1, e2, e3, e4, e5, e6, e7 = haar_conv3d(
             dys, params_ptr + c * 8 * KKK, params_ptr + LEVELS * C * 8 * KKK + c * 8, qz, qy, qx, ok, D, H, W, K, -1
         )
-        e0 += _coarse_synthesis3d(coarse_ptr, plane, qz, qy, qx, ok, B * C, D, H, W, LEVELS)
-        r0, r1, r2, r3, r4, r5, r6, r7 = _butterfly3d(e0, e1, e2, e3, e4, e5, e6, e7)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _polyphase_conv3d(dys, wb_ptr + c * KKK, qz, qy, qx, ok, D, H, W, K, -1)
+        e0 += coarse_synthesis3d(coarse_ptr, plane, qz, qy, qx, ok, B * C, D, H, W, LEVELS)
+        r0, r1, r2, r3, r4, r5, r6, r7 = butterfly3d(e0, e1, e2, e3, e4, e5, e6, e7)
+        a0, a1, a2, a3, a4, a5, a6, a7 = polyphase_conv3d(dys, wb_ptr + c * KKK, qz, qy, qx, ok, D, H, W, K, -1)
         sb = tl.load(sb_ptr + c).to(tl.float32)
-        _store_blocks3d(
+        store_blocks3d(
             dx_ptr + plane * D * H * W,
             sb * a0 + r0 * _R3,
             sb * a1 + r1 * _R3,
@@ -268,7 +268,7 @@ def _wtconv3d_bwd_kernel(
             W,
         )
     else:
-        _wgrad_finalize(
+        wgrad_finalize(
             part_ptr, params_ptr, wb_ptr, sb_ptr, bias_ptr, grads_ptr, pid - DX_PROGRAMS, B, C, D, H, W, SPAN, LEVELS,
             8, KKK, TAPS, HAS_BIAS, BASE_SLOTS, WGRAD_PAIR,
         )  # fmt: skip
@@ -314,25 +314,25 @@ def _wgrad3d_level(
     for start in range(share * SPAN, end, BLOCK):
         n = start + tl.arange(0, BLOCK)
         ok = n < end
-        b, q = _divmod(n, Q, inv_q)
-        qz, r = _divmod(q, HWq, inv_hw)
-        qy, qx = _divmod(r, Wq, inv_w)
+        b, q = fast_divmod(n, Q, inv_q)
+        qz, r = fast_divmod(q, HWq, inv_hw)
+        qy, qx = fast_divmod(r, Wq, inv_w)
         pos = (b * C + c).to(tl.int64) * D * HW + ((2 * qz * H + 2 * qy) * W + 2 * qx)
         gs = g_ptr + pos
         y1 = qy < H2
         x1 = qx < W2
-        g0, g1, g2, g3 = _block_at(gs, W, ok, ok & y1, True, x1)
-        g4, g5, g6, g7 = _block_at(gs + HW, W, ok & (qz < D2), ok & (qz < D2) & y1, True, x1)
+        g0, g1, g2, g3 = block_at(gs, W, ok, ok & y1, True, x1)
+        g4, g5, g6, g7 = block_at(gs + HW, W, ok & (qz < D2), ok & (qz < D2) & y1, True, x1)
         if BASE:
             z = 2 * qz + uz
             y = 2 * qy + uy
-            ok_b0 = ok & _within(z, D)
-            ok_b1 = ok & _within(z + 1, D)
-            by0 = _within(y, H)
-            by1 = _within(y + 1, H)
+            ok_b0 = ok & within(z, D)
+            ok_b1 = ok & within(z + 1, D)
+            by0 = within(y, H)
+            by1 = within(y + 1, H)
             for ix in tl.static_range(K + 1):
                 ox = ix - P
-                col_ok = _within(2 * qx + ox, W)
+                col_ok = within(2 * qx + ox, W)
                 p = src_ptr + pos + (uz * H + uy) * W + ox
                 a0 = tl.load(p, mask=ok_b0 & by0 & col_ok, other=0.0).to(tl.float32)
                 a1 = tl.load(p + W, mask=ok_b0 & by1 & col_ok, other=0.0).to(tl.float32)
@@ -345,21 +345,21 @@ def _wgrad3d_level(
                     hit = tx == ix - 1
                     acc_base = tl.where(hit, acc_base + (g1 * a0 + g3 * a1 + g5 * a2 + g7 * a3)[None, :], acc_base)
             bias += g0 + g1 + g2 + g3 + g4 + g5 + g6 + g7
-        d0, d1, d2, d3, d4, d5, d6, d7 = _butterfly3d(g0, g1, g2, g3, g4, g5, g6, g7)
+        d0, d1, d2, d3, d4, d5, d6, d7 = butterfly3d(g0, g1, g2, g3, g4, g5, g6, g7)
         vz = qz + uz
         vy = qy + uy
-        ok_z0 = ok & _within(vz, Dq)
-        ok_z1 = ok & _within(vz, D2)
-        ry0 = _within(vy, Hq)
-        ry1 = _within(vy, H2)
+        ok_z0 = ok & within(vz, Dq)
+        ok_z1 = ok & within(vz, D2)
+        ry0 = within(vy, Hq)
+        ry1 = within(vy, H2)
         src = src_ptr + pos + (2 * uz * H + 2 * uy) * W
         for v in tl.static_range(K):
             ux = v - P
-            x0 = _within(qx + ux, Wq)
-            x1 = _within(qx + ux, W2)
-            s0, s1, s2, s3 = _block_at(src + 2 * ux, W, ok_z0 & ry0, ok_z0 & ry1, x0, x1)
-            s4, s5, s6, s7 = _block_at(src + (2 * ux + HW), W, ok_z1 & ry0, ok_z1 & ry1, x0, x1)
-            u0, u1, u2, u3, u4, u5, u6, u7 = _butterfly3d(s0, s1, s2, s3, s4, s5, s6, s7)
+            x0 = within(qx + ux, Wq)
+            x1 = within(qx + ux, W2)
+            s0, s1, s2, s3 = block_at(src + 2 * ux, W, ok_z0 & ry0, ok_z0 & ry1, x0, x1)
+            s4, s5, s6, s7 = block_at(src + (2 * ux + HW), W, ok_z1 & ry0, ok_z1 & ry1, x0, x1)
+            u0, u1, u2, u3, u4, u5, u6, u7 = butterfly3d(s0, s1, s2, s3, s4, s5, s6, s7)
             hit = tx == v
             acc0 = tl.where(hit, acc0 + (d0 * u0)[None, :], acc0)
             acc1 = tl.where(hit, acc1 + (d1 * u1)[None, :], acc1)
@@ -391,9 +391,9 @@ def _wgrad3d_level(
 
 
 @triton.jit
-def _wtconv3d_wgrad_kernel(
+def wtconv3d_wgrad_kernel(
     # pointers: the output gradient dy and x [B, C, D, H, W]; the low-passes of levels 1..L-1 of dy and of x, one
-    # after the other; output: partial sums (see ``_wgrad_finalize``)
+    # after the other; output: partial sums (see ``wgrad_finalize``)
     dy_ptr,
     x_ptr,
     glow_ptr,
@@ -412,10 +412,10 @@ def _wtconv3d_wgrad_kernel(
     BLOCK: tl.constexpr,
 ):
     """Weight gradients of every level (and of the base conv and bias) in one launch: program = (level, share,
-    channel, z tap, y tap), the taps fastest (the K * K programs of a share read the same blocks), see ``_wgrad_plan``;
+    channel, z tap, y tap), the taps fastest (the K * K programs of a share read the same blocks), see ``wgrad_plan``;
     level 1 reads dy and x, deeper levels the low-pass buffers. (Unlike 2D, the levels' backward is a launch of its
     own: its registers would halve this kernel's occupancy.)"""
-    level, local, row0, off, d_in, h_in, w_in, rows = _wgrad_plan(
+    level, local, row0, off, d_in, h_in, w_in, rows = wgrad_plan(
         tl.program_id(0), B, C, C * K * K, D, H, W, SPAN, LEVELS, WGRAD_PAIR
     )
     ty = local % K

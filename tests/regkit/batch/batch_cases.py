@@ -9,12 +9,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from regkit.batch import NODE_CACHE, WORKER_THREADS
 from regkit.io import Image, write_image
 from regkit.process import cache_root
 from regkit.spatial.grid import Grid
+from tests.helpers import gaussian_blobs
 
 TINY_CONFIG = """\
 dim: 2
@@ -34,10 +34,7 @@ stages:
 def blob(shift: float, size: int = 24) -> Image:
     """A 2D image of two Gaussian blobs, the first one shifted by ``shift`` mm in x."""
     grid = Grid.create((size, size), (1.0, 1.0), (0.0, 0.0))
-    p = grid.world_points(torch.float64)
-    a = torch.exp(-((p - torch.tensor([10.0 + shift, 12.0])) ** 2).sum(-1) / 20.0)
-    b = torch.exp(-((p - torch.tensor([16.0, 8.0])) ** 2).sum(-1) / 10.0)
-    return Image((a + 0.6 * b).float(), grid)
+    return gaussian_blobs(grid, [(10.0 + shift, 12.0), (16.0, 8.0)], (20.0, 10.0), (1.0, 0.6))
 
 
 def make_data(folder: Path, names: tuple[str, ...] = ("a", "b", "c")) -> dict[str, Path]:

@@ -223,7 +223,7 @@ def test_batch_on_a_dask_jobqueue_cluster(tmp_path, monkeypatch, capsys):
     jobqueue = pytest.importorskip("dask_jobqueue.local")
     from distributed import Client
 
-    from tests.regkit_cli.cli import run_cli
+    from tests.helpers import run_cli
 
     isolate_worker_settings(monkeypatch)
     monkeypatch.delenv(WORKER_THREADS)  # as in a job script: dask's nanny sets OMP_NUM_THREADS=1

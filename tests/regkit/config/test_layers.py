@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
 from regkit.config import (
     FeaturesSimilarity,
     dump_config,
@@ -19,12 +15,6 @@ def test_presets_are_listed():
     assert {"brain-mri-3d", "brain-mri-3d-multimodal", "ct-3d", "histology-2d", "quick-2d", "demo"} <= set(
         list_presets()
     )
-
-
-@pytest.mark.parametrize("name", list_presets())
-def test_preset_starts_with_a_comment(name):
-    text = (Path(__import__("regkit").__file__).parent / "configs" / f"{name}.yaml").read_text()
-    assert text.startswith("# ")
 
 
 def test_exponent_without_dot_is_a_float(tmp_path):

@@ -10,24 +10,16 @@ from regkit.cpab.integrate import integrate
 from regkit.cpab.module import CPAB
 from regkit.cpab.tessellation import Tessellation
 from regkit.spatial.grid import Grid
+from tests.helpers import rotation
 
 F64 = torch.float64
 
 
-def _oblique(ndim: int) -> np.ndarray:
-    c, s = np.cos(0.4), np.sin(0.4)
-    rot = np.eye(ndim)
-    rot[:2, :2] = [[c, -s], [s, c]]
-    if ndim == 3:
-        tilt = np.eye(3)
-        tilt[1:, 1:] = [[np.cos(-0.3), -np.sin(-0.3)], [np.sin(-0.3), np.cos(-0.3)]]
-        rot = tilt @ rot
-    return rot
-
-
 def _grid(ndim: int) -> Grid:
     size = (12, 9, 7)[:ndim]
-    return Grid.create(size, spacing=(1.5, 0.8, 2.0)[:ndim], origin=(-20.0, 31.0, 7.5)[:ndim], direction=_oblique(ndim))
+    return Grid.create(
+        size, spacing=(1.5, 0.8, 2.0)[:ndim], origin=(-20.0, 31.0, 7.5)[:ndim], direction=rotation(0.4, ndim, tilt=-0.3)
+    )
 
 
 def _translation_theta(cpab: CPAB, shift: torch.Tensor) -> torch.Tensor:
@@ -79,7 +71,7 @@ def test_warp_with_a_known_translation() -> None:
     image = torch.randn(grid.shape, dtype=F64)
     warped = cpab.warp(image, grid, grid)
     torch.testing.assert_close(warped[1:, :-2], image[:-1, 2:], rtol=0, atol=1e-9)
-    world_shift = torch.tensor(_oblique(2), dtype=F64) @ shift
+    world_shift = torch.tensor(rotation(0.4, 2), dtype=F64) @ shift
     u = cpab.transform_grid(grid)
     torch.testing.assert_close(u, world_shift.expand_as(u), rtol=0, atol=1e-9)
     torch.testing.assert_close(cpab.jacobian_determinant(grid), torch.ones(grid.shape, dtype=F64), rtol=0, atol=1e-12)

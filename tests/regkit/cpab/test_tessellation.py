@@ -61,13 +61,12 @@ def facet_points(tess: Tessellation, generator: torch.Generator) -> torch.Tensor
 
 
 @pytest.mark.parametrize("tess", tessellations(), ids=str)
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_locate_matches_barycentric(tess: Tessellation, dtype: torch.dtype) -> None:
+def test_locate_matches_barycentric(tess: Tessellation, float_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     lower, upper = torch.tensor(tess.lower), torch.tensor(tess.upper)
     uniform = lower + (upper - lower) * torch.rand(2000, tess.ndim, generator=gen, dtype=torch.float64)
-    points = torch.cat([uniform, facet_points(tess, gen)]).to(dtype)
-    tol = 1e-9 if dtype == torch.float64 else 1e-5 * max(tess.shape)
+    points = torch.cat([uniform, facet_points(tess, gen)]).to(float_dtype)
+    tol = 1e-9 if float_dtype == torch.float64 else 1e-5 * max(tess.shape)
     assert_contains(tess, points, tol)
 
 
@@ -144,6 +143,20 @@ def test_cells_tile_the_box_with_positive_orientation(tess: Tessellation) -> Non
     box_volume = math.prod(up - lo for lo, up in zip(tess.lower, tess.upper, strict=True))
     assert float(volumes.sum()) == pytest.approx(box_volume, rel=1e-12)
     assert torch.equal(tess.centers(), verts.mean(dim=1))
+
+
+@pytest.mark.parametrize("tess", tessellations(), ids=str)
+def test_vertices_in_box_units_are_the_lattice_and_map_to_the_vertices(tess: Tessellation) -> None:
+    units = tess.vertices_in_box_units()
+    assert units.shape == (tess.n_vertices, tess.ndim) and units.dtype == torch.float64
+    shape = torch.tensor(tess.shape, dtype=torch.float64)
+    corners = math.prod(s + 1 for s in tess.shape)
+    assert torch.equal(units[:corners], units[:corners].round()) and (units >= 0).all() and (units <= shape).all()
+    assert torch.equal(units[corners:] % 1, torch.full_like(units[corners:], 0.5))  # the 2D rectangle centres
+    lower, upper = torch.tensor(tess.lower, dtype=torch.float64), torch.tensor(tess.upper, dtype=torch.float64)
+    torch.testing.assert_close(tess.vertices(), lower + units * (upper - lower) / shape, rtol=0, atol=1e-12)
+    units[0] = -1.0  # a fresh tensor: the tessellation is unchanged
+    assert (tess.vertices_in_box_units() >= 0).all()
 
 
 def test_2d_local_order() -> None:

@@ -1,15 +1,23 @@
 """Feature training on tiny inputs: the synthesis keeps its correspondence, a few steps reduce the loss, a resumed run
-continues exactly, the configuration is strict, and the shipped configurations load."""
+continues exactly, the recipe is strict, and the shipped recipes load."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from regkit.errors import ConfigError, RegkitError
+from regkit.features import training
 from regkit.features.network import FeatureMaps
-from regkit.features.synth import LabelVolume, ViewPair, crop_flow, synthesise_pair
-from regkit.features.train import (
+from regkit.features.training.recipe import (
+    FeatureTrainingConfig,
+    LossConfig,
+    load_training_config,
+    training_presets,
+)
+from regkit.features.training.synth import LabelVolume, ViewPair, crop_flow, synthesise_pair
+from regkit.features.training.train import (
     Trainer,
     excluded_keys,
     info_nce,
@@ -18,7 +26,6 @@ from regkit.features.train import (
     pair_loss,
     train_features,
 )
-from regkit.features.train_config import FeatureTrainingConfig, LossConfig, load_training_config, training_presets
 from regkit.spatial.grid import Grid
 from regkit.spatial.sampling import sample_image
 
@@ -196,12 +203,19 @@ def test_config_errors_name_file_and_line(tmp_path):
     path.write_text("dim: 2\nsteps: 10\nsynthesis:\n  voxel_size: [3.0, 1.0]\n")
     with pytest.raises(ConfigError, match=r":4: synthesis.voxel_size: needs \(low, high\)"):
         load_training_config(path)
-    with pytest.raises(ConfigError, match="no such file"):
+    path.write_text("dim: 2\nsteps: 10\ndevice: tpu\n")
+    with pytest.raises(ConfigError, match=r"train.yaml:3: device: must be 'auto', 'cpu', 'cuda' or 'cuda:N'"):
+        load_training_config(path)
+    with pytest.raises(ConfigError, match=r"no such file \(shipped training recipes: features-2d, features-3d\)"):
         load_training_config(tmp_path / "absent.yaml")
 
 
-def test_shipped_configurations_load():
+def test_shipped_recipes_load():
+    """The recipes in regkit/features/training/ load by name, and each says what it is for."""
     assert training_presets() == ["features-2d", "features-3d"]
+    folder = Path(training.__file__).parent
     for dim in (2, 3):
         cfg = load_training_config(f"features-{dim}d")
         assert cfg.dim == dim
+        assert cfg == load_training_config(folder / f"features-{dim}d.yaml")
+        assert (folder / f"features-{dim}d.yaml").read_text().startswith("# Self-supervised training")

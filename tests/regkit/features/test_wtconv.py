@@ -147,10 +147,27 @@ def test_parameters_and_initial_values():
 
 
 def test_loads_a_state_dict_of_the_authors_layer():
+    """The authors' state_dict (with their fixed Haar filters ``wt_filter`` and ``iwt_filter``) loads: every parameter
+    takes the state's value, the filters are dropped, and the layer computes the authors' layer with those weights."""
     layer = WTConv2d(3, 5, levels=2)
     state = {name: torch.randn_like(p) for name, p in layer.state_dict().items()}
     state["wt_filter"] = state["iwt_filter"] = _haar_filters(3, 2).float()
-    WTConv2d(3, 5, levels=2).load_state_dict(state)
+    loaded = WTConv2d(3, 5, levels=2)
+    loaded.load_state_dict(state)
+    assert set(loaded.state_dict()) == set(state) - {"wt_filter", "iwt_filter"}
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    loaded.double()
+    x = torch.randn(1, 3, 12, 10, dtype=torch.float64)
+    weights = {name: value.double() for name, value in state.items()}
+    params = (
+        weights["base_conv.weight"],
+        weights["base_conv.bias"],
+        weights["base_scale.weight"],
+        [weights[f"wavelet_convs.{i}.weight"] for i in range(2)],
+        [weights[f"wavelet_scale.{i}.weight"] for i in range(2)],
+    )
+    torch.testing.assert_close(loaded(x), _authors_layer(x, params, 2))
 
 
 def test_errors_quote_what_they_received():

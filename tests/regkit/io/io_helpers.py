@@ -1,5 +1,6 @@
-"""Helpers shared by the tests of regkit.io: rotations and RAS affines, world points of every voxel as regkit and as
-nibabel compute them, the one-line error check, and a DICOM series writer."""
+"""Helpers of the tests of regkit.io: rotations and RAS affines, world points of every voxel as regkit and as nibabel
+compute them, and the one-line error check (the DICOM series writer, shared with napari_regkit's tests, is in
+tests/helpers.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
-import SimpleITK as sitk
 import torch
 
 from regkit.io import Image
@@ -51,29 +51,3 @@ def assert_one_line_naming(err: pytest.ExceptionInfo, path: Path) -> None:
     message = str(err.value)
     assert "\n" not in message, message
     assert path.name in message, message
-
-
-def write_dicom_series(folder: Path, image: sitk.Image, series_uid: str) -> None:
-    """Write a 3D int16 image as one DICOM file per slice, with the position/orientation tags a series needs."""
-    folder.mkdir(exist_ok=True)
-    direction = np.array(image.GetDirection()).reshape(3, 3)
-    orientation = "\\".join(f"{v:.12g}" for v in (*direction[:, 0], *direction[:, 1]))
-    writer = sitk.ImageFileWriter()
-    writer.KeepOriginalImageUIDOn()
-    for k in range(image.GetDepth()):
-        slice_k = image[:, :, k]
-        position = "\\".join(f"{v:.12g}" for v in image.TransformIndexToPhysicalPoint((0, 0, k)))
-        tags = {
-            "0008|0060": "MR",
-            "0020|000d": "1.2.826.0.1.3680043.2.1125.7",
-            "0020|000e": series_uid,
-            "0008|0018": f"{series_uid}.{k + 1}",
-            "0020|0013": str(k + 1),
-            "0020|0032": position,
-            "0020|0037": orientation,
-            "0018|0050": f"{image.GetSpacing()[2]:.12g}",
-        }
-        for tag, value in tags.items():
-            slice_k.SetMetaData(tag, value)
-        writer.SetFileName(str(folder / f"{series_uid[-3:]}_{k:03d}.dcm"))
-        writer.Execute(slice_k)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from regkit.io import describe_image, read_image
-from tests.data import itk_example, nibabel_data
+from tests.helpers import itk_example, nibabel_data
 
 # ----------------------------------------------------------------------------------------------------------------------
 # describe_image

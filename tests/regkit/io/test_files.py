@@ -16,14 +16,8 @@ import torch
 from regkit.errors import GeometryError, ImageDimensionError, ImageReadError, ImageValueError, ImageWriteError
 from regkit.io import Image, describe_image, orientation_code, read_image, read_image_nibabel, write_image
 from regkit.spatial import Grid
-from tests.data import itk_example, nibabel_data
-from tests.regkit.io.io_helpers import (
-    assert_one_line_naming,
-    lps_world,
-    nibabel_world,
-    rotation,
-    write_dicom_series,
-)
+from tests.helpers import itk_example, nibabel_data, write_dicom_series
+from tests.regkit.io.io_helpers import assert_one_line_naming, lps_world, nibabel_world, rotation
 
 
 @pytest.fixture(scope="module")

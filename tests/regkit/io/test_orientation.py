@@ -16,7 +16,7 @@ from nibabel.orientations import apply_orientation, axcodes2ornt, inv_ornt_aff, 
 from regkit.errors import GeometryError
 from regkit.io import Image, orientation_code, read_image, read_image_nibabel, reorient, write_image
 from regkit.spatial import Grid
-from tests.data import nibabel_data
+from tests.helpers import nibabel_data
 from tests.regkit.io.io_helpers import (
     LPS_FROM_RAS,
     assert_one_line_naming,

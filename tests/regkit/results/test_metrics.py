@@ -1,4 +1,4 @@
-"""regkit.results.metrics: the contents of metrics.json, read from the package's registrations (conftest.py)."""
+"""regkit.results.metrics: the contents of metrics.json, read from the registrations of tests/regkit/conftest.py."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from regkit.config import load_config
 from regkit.io import read_image
 from regkit.results import field_of_view_overlap, read_moving_grid
 from regkit.spatial.grid import Grid
-from tests.regkit.results.registration_cases import same_grid
+from tests.helpers import same_grid
 
 
-def test_jacobian_positive_and_consistent_with_metrics(case):
-    result, _, out = case
+def test_jacobian_positive_and_consistent_with_metrics(registration_case):
+    result, _, out = registration_case
     det = read_image(out / "jacobian.nii.gz")
     assert same_grid(det.grid, result.fixed.grid) and det.data.dtype == torch.float32
     assert float(det.data.min()) > 0
@@ -24,8 +24,8 @@ def test_jacobian_positive_and_consistent_with_metrics(case):
     assert metrics["jacobian"]["analytic_min"] == pytest.approx(float(det.data.min()), rel=1e-6)
 
 
-def test_metrics_content(case):
-    result, _, out = case
+def test_metrics_content(registration_case):
+    result, _, out = registration_case
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics) == {
         "similarity",

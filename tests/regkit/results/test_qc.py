@@ -1,4 +1,4 @@
-"""regkit.results.qc: the QC picture, as written into the package's registration folders (conftest.py) and alone."""
+"""regkit.results.qc: the QC picture, as written into the folders of tests/regkit/conftest.py, and alone."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import torch
 
 from regkit.results.qc import QC_SIDE, qc_picture
 from regkit.spatial.grid import Grid
-from tests.regkit.results.registration_cases import sitk_read
+from tests.helpers import sitk_read
 
 
-def test_qc_png_has_one_row_of_three_panels_per_slice(case):
-    result, _, out = case
+def test_qc_png_has_one_row_of_three_panels_per_slice(registration_case):
+    result, _, out = registration_case
     png = sitk.GetArrayFromImage(sitk_read(out / "qc.png"))
     assert png.dtype == np.uint8 and png.shape[-1] == 3
     rows = 1 if result.fixed.ndim == 2 else 3

@@ -10,8 +10,8 @@ from regkit.spatial.grid import Grid
 from regkit.transform import Transformation
 
 
-def test_resample_and_itk_transform_agree(case, tmp_path):
-    result, labels, out = case
+def test_resample_and_itk_transform_agree(registration_case, tmp_path):
+    result, labels, out = registration_case
     reference = Grid.create(
         result.fixed.grid.size, [s * 1.1 for s in result.fixed.grid.spacing], result.fixed.grid.origin
     )

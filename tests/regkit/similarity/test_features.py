@@ -14,15 +14,14 @@ from regkit.similarity.features import FeatureSimilarity
 from regkit.spatial.grid import Grid
 from regkit.spatial.pyramid import build_pyramid
 from regkit.spatial.sampling import sample_image
-from tests.data import itk_example
+from tests.helpers import gaussian_blobs, itk_example
 
 
 def _blobs(size: int = 32, shift: float = 0.0) -> torch.Tensor:
-    y, x = torch.meshgrid(torch.arange(float(size)), torch.arange(float(size)), indexing="ij")
-    image = torch.exp(-((x - 12 - shift) ** 2 + (y - 14) ** 2) / 20) + 0.6 * torch.exp(
-        -((x - 22) ** 2 + (y - 20) ** 2) / 8
-    )
-    return image[None, None]
+    """Two Gaussian blobs on size x size pixels of 1 mm, the first shifted by ``shift`` in x: (1, 1, size, size)."""
+    centres = [(12.0 + shift, 14.0), (22.0, 20.0)]
+    image = gaussian_blobs(Grid.create((size, size)), centres, (20.0, 8.0), (1.0, 0.6), dtype=torch.float32)
+    return image.data[None, None]
 
 
 def test_registered_and_built_from_the_configuration(tmp_path):

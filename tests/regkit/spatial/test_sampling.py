@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from regkit.errors import ImageDimensionError
 from regkit.spatial.grid import Grid
 from regkit.spatial.sampling import sample_image
-
-
-def _rotation(angle: float, ndim: int) -> np.ndarray:
-    c, s = np.cos(angle), np.sin(angle)
-    rot = np.eye(ndim)
-    rot[:2, :2] = [[c, -s], [s, c]]
-    if ndim == 3:  # tilt about x as well, so no axis stays aligned
-        tilt = np.eye(3)
-        tilt[1:, 1:] = [[np.cos(0.4), -np.sin(0.4)], [np.sin(0.4), np.cos(0.4)]]
-        rot = tilt @ rot
-    return rot
+from tests.helpers import rotation
 
 
 @pytest.mark.parametrize("ndim", [2, 3])
@@ -27,7 +16,7 @@ def _rotation(angle: float, ndim: int) -> np.ndarray:
 def test_voxel_centres_return_the_voxels_on_an_oblique_grid(ndim: int, mode: str) -> None:
     size = (5, 4, 3)[:ndim]
     grid = Grid.create(
-        size, spacing=(0.7, 1.3, 2.0)[:ndim], origin=(10.0, -4.0, 3.0)[:ndim], direction=_rotation(0.3, ndim)
+        size, spacing=(0.7, 1.3, 2.0)[:ndim], origin=(10.0, -4.0, 3.0)[:ndim], direction=rotation(0.3, ndim, tilt=0.4)
     )
     image = torch.randn(grid.shape, dtype=torch.float64)
     values = sample_image(image, grid, grid.world_points(torch.float64), mode=mode)
@@ -45,7 +34,7 @@ def test_channels_and_batch_shape() -> None:
 
 def test_known_translation_of_a_linear_ramp() -> None:
     """A linear image is reproduced exactly by linear interpolation, so a shift by d mm adds slope * d."""
-    grid = Grid.create((8, 7), spacing=(2.0, 0.5), origin=(-3.0, 5.0), direction=_rotation(0.5, 2))
+    grid = Grid.create((8, 7), spacing=(2.0, 0.5), origin=(-3.0, 5.0), direction=rotation(0.5, 2, tilt=0.4))
     world = grid.world_points(torch.float64)
     slope = torch.tensor([0.3, -1.1], dtype=torch.float64)
     image = world @ slope
@@ -85,7 +74,7 @@ def test_single_slice_axis_behaves_like_the_others() -> None:
 
 
 def test_gradcheck_wrt_points_and_image() -> None:
-    grid = Grid.create((4, 5, 3), spacing=(1.0, 0.8, 1.5), direction=_rotation(0.2, 3))
+    grid = Grid.create((4, 5, 3), spacing=(1.0, 0.8, 1.5), direction=rotation(0.2, 3, tilt=0.4))
     image = torch.randn(grid.shape, dtype=torch.float64, requires_grad=True)
     index = torch.tensor([[0.3, 1.2, 0.7], [2.6, 3.1, 1.4], [1.45, 0.2, 1.9]], dtype=torch.float64)
     points = grid.index_to_world(index).requires_grad_(True)
