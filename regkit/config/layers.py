@@ -14,6 +14,7 @@ directory).
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -213,7 +214,11 @@ DEFAULT_PRESETS = {2: "histology-2d", 3: "brain-mri-3d"}
 
 def presets_folder() -> Path:
     """The folder of the presets shipped with regkit: the repository's ``configs/presets/``, installed as the package
-    ``regkit.presets`` (in an editable install: that folder itself)."""
+    ``regkit.presets`` (in an editable install: that folder itself). A checkout used without installing (its root on
+    ``PYTHONPATH``) has no ``regkit.presets``; its ``configs/presets/`` is used."""
+    checkout = Path(__file__).resolve().parents[2] / "configs" / "presets"
+    if importlib.util.find_spec("regkit.presets") is None and checkout.is_dir():
+        return checkout
     return Path(str(resources.files("regkit.presets")))
 
 
