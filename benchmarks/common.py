@@ -110,8 +110,10 @@ def machine_slug(device: str) -> str:
 
 def tree_commit(root: Path = ROOT) -> str:
     """The git commit of the checkout, with ``+ changes`` when tracked or untracked files differ from it (the results
-    tables aside: writing them does not change what is measured); where git or its metadata is missing, the value of
-    ``REGKIT_BENCH_COMMIT``, else ``unknown``."""
+    tables aside: writing them does not change what is measured); ``REGKIT_BENCH_COMMIT`` when set (a copy of the tree
+    made at that commit, as benchmarks/scripts/h200.sh carries it), else ``unknown`` where git is missing."""
+    if os.environ.get(COMMIT_VARIABLE):
+        return os.environ[COMMIT_VARIABLE]
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True, check=True
@@ -124,7 +126,7 @@ def tree_commit(root: Path = ROOT) -> str:
             check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get(COMMIT_VARIABLE) or "unknown (no git checkout)"
+        return "unknown (no git checkout)"
     return commit + (" + changes" if status else "")
 
 

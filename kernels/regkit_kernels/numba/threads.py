@@ -56,5 +56,8 @@ def use_torch_threads() -> int:
     """Let the next ``parallel=True`` kernels (``sampling``) use :func:`torch_threads` threads of numba's pool;
     returns that number."""
     threads = torch_threads()
+    before = torch.get_num_threads()
     numba.set_num_threads(threads)
+    if torch.get_num_threads() != before:  # starting numba's OpenMP pool can reset the OpenMP thread count torch reads
+        torch.set_num_threads(before)
     return threads
