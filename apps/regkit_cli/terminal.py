@@ -79,4 +79,5 @@ def summary_lines(out: Path, metrics: dict) -> list[str]:
     memory = metrics["peak_memory"]["bytes"]
     peak = f"; peak memory {memory / 2**20:.0f} MiB" if memory else ""
     lines.append(f"runtime: {runtime['total_seconds']:.1f} s ({stages}) on {metrics['device']}{peak}")
+    lines += [f"warning: {warning}" for warning in metrics["warnings"]]
     return lines

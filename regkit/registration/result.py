@@ -48,10 +48,12 @@ class StageReport:
     kind: str
     levels: list[LevelReport] = field(default_factory=list)
     seconds: float = 0.0
+    warning: str | None = None  # what went wrong and what was done about it (the stage's result discarded, say)
 
     def to_dict(self) -> dict[str, Any]:
         """The stage as ``metrics.json`` records it (module docstring)."""
-        return {"kind": self.kind, "levels": [level.to_dict() for level in self.levels], "seconds": self.seconds}
+        record = {"kind": self.kind, "levels": [level.to_dict() for level in self.levels], "seconds": self.seconds}
+        return record if self.warning is None else {**record, "warning": self.warning}
 
 
 @dataclass

@@ -2,17 +2,18 @@
 
 * ``rigid`` / ``affine``: ``M <- M @ P`` with ``P`` a centred rigid / affine map optimized over the pyramid;
 * ``cpab``: a CPAB flow on the fixed grid's box (``CPAB.for_grid``), optimized over the pyramid with the tessellation
-  schedule; the solution at one level is carried to the next level's finer tessellation by interpolating its velocity
-  at the new vertices (exact when the tessellations nest, e.g. 4 -> 8). ``chain = K`` runs the schedule K times, each
-  time composing a new flow after the earlier ones. CPAB parameters are optimized in the prior's whitened
+  schedule (a stage that ends with a worse similarity at full resolution than it started with is discarded, with a
+  warning in its report); the solution at one level is carried to the next level's finer tessellation by interpolating
+  its velocity at the new vertices (exact when the tessellations nest, e.g. 4 -> 8). ``chain = K`` runs the schedule K
+  times, each time composing a new flow after the earlier ones. CPAB parameters are optimized in the prior's whitened
   coordinates: ``theta = theta_0 + L z`` with ``Sigma_theta = L L^T`` and ``theta_0`` the level's starting field (the
-  coarser level's solution), a ``torch.nn.utils.parametrize`` of ``theta`` (:class:`Unwhiten`); ``z`` starts at zero
-  on every level. The prior is :class:`~regkit.cpab.prior.VertexPrior` (a squared-exponential process on the vertex
+  coarser level's solution), a ``torch.nn.utils.parametrize`` of ``theta`` (:class:`Unwhiten`); ``z`` starts at zero on
+  every level. The prior is :class:`~regkit.cpab.prior.VertexPrior` (a squared-exponential process on the vertex
   velocities, whose whitening is Kronecker-factored in 3D, so fine tessellations cost little), or the cell-map
-  :class:`~regkit.cpab.prior.CPABPrior` with volume preservation. Gradient steps are smooth fields. Adam's learning
-  rate is in prior standard deviations of a coherent step: it is divided by the prior's :func:`coherence` and
-  multiplied by ``shrink / first shrink`` of the level, so that steps shrink with the pyramid's voxels and mean the
-  same on every tessellation.
+  :class:`~regkit.cpab.prior.CPABPrior` with volume preservation. Gradient steps are smooth fields. Adam's learning rate
+  is in prior standard deviations of a coherent step: it is divided by the prior's :func:`coherence` and multiplied by
+  ``shrink / first shrink`` of the level, so that steps shrink with the pyramid's voxels and mean the same on every
+  tessellation.
 
 Each level minimizes ``similarity(fixed, moving o transform) + weight * |z|^2 / (2 d)`` (the prior only for CPAB: the
 prior energy of the level's change; ``d`` = number of CPAB parameters, so that the weight means the same on every
@@ -34,6 +35,7 @@ from regkit.errors import RegkitError
 from regkit.registration.levels import Level, RunContext, loss_on_level, optimize_level
 from regkit.registration.result import StageReport
 from regkit.similarity import build_similarity
+from regkit.similarity.base import Similarity
 from regkit.spatial.affine import AffineTransform, RigidTransform, grid_centre
 from regkit.spatial.grid import Grid
 
@@ -199,5 +201,22 @@ def run_cpab(
         assert flow is not None
         flow.requires_grad_(False)
         new_flows.append(flow)
+    before, after = (_finest_similarity(levels[-1], similarity, m, f) for f in (flows, [*flows, *new_flows]))
     report.seconds = round(time.perf_counter() - start, 3)
+    if not after < before:
+        report.warning = (
+            f"the deformable stage made its similarity worse ({before:.4g} -> {after:.4g} at full resolution); "
+            "the result of the earlier stages is kept"
+        )
+        return [], report
     return new_flows, report
+
+
+def _finest_similarity(level: Level, similarity: Similarity, matrix: torch.Tensor, flows: list[CPAB]) -> float:
+    """The similarity loss on ``level`` of the transformation ``matrix`` after ``flows`` (fixed world -> moving
+    world), without the prior: what a CPAB stage is judged by."""
+    with torch.no_grad():
+        points = level.fixed_world
+        for flow in flows:
+            points = flow.transform_world(points)
+        return float(loss_on_level(level, similarity, _linear_points(matrix, points)))

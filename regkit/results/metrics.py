@@ -11,6 +11,8 @@ null):
 * ``jacobian``: Learn2Reg's ``fraction_nonpositive`` and ``sdlogj`` from central differences of
   ``displacement.nii.gz`` (:mod:`regkit.spatial.metrics`), and the analytic determinant's ``analytic_min`` and
   ``analytic_max``;
+* ``warnings``: what went wrong, in sentences (a stage's result discarded, a similarity worse than no registration,
+  folds, extreme local volume changes); empty when nothing did;
 * ``field_of_view_overlap``: the fraction of the fixed grid that lies inside the moving image's box (identity map);
 * ``runtime``: seconds per stage (with the levels' iterations and similarities) and in total; ``peak_memory``: bytes
   and how they were measured (CUDA ``max_memory_allocated``, else the process's peak resident set size);
@@ -42,7 +44,7 @@ from regkit.spatial.metrics import dice_per_label, fraction_nonpositive, hd95_pe
 if TYPE_CHECKING:
     from regkit.registration import RegistrationResult
 
-__all__ = ["field_of_view_overlap", "label_scores", "measure_peak_memory", "metrics_record"]
+__all__ = ["field_of_view_overlap", "label_scores", "measure_peak_memory", "metrics_record", "metrics_warnings"]
 
 
 def metrics_record(
@@ -64,10 +66,13 @@ def metrics_record(
         "total_seconds": result.seconds,
         "stages": [stage.to_dict() for stage in result.stages],
     }
+    similarity = _similarities(result, world, mapped)
+    jacobian = _jacobian_metrics(det_fd, det_analytic)
     return {
-        "similarity": _similarities(result, world, mapped),
+        "similarity": similarity,
         **({"labels": labels} if labels is not None else {}),
-        "jacobian": _jacobian_metrics(det_fd, det_analytic),
+        "jacobian": jacobian,
+        "warnings": metrics_warnings(result, similarity, jacobian),
         "field_of_view_overlap": field_of_view_overlap(result.fixed.grid, result.moving.grid),
         "runtime": runtime,
         "peak_memory": peak_memory,
@@ -164,6 +169,36 @@ def _jacobian_metrics(det_fd: torch.Tensor, det_analytic: torch.Tensor) -> dict[
         "analytic_min": _finite(float(det_analytic.min())),
         "analytic_max": _finite(float(det_analytic.max())),
     }
+
+
+VOLUME_CHANGE_LIMITS = (0.1, 10.0)
+"""A local volume change (analytic Jacobian determinant) outside this range is reported as extreme."""
+
+
+def metrics_warnings(result: RegistrationResult, similarity: dict[str, dict], jacobian: dict[str, Any]) -> list[str]:
+    """The ``warnings`` of ``metrics.json`` (module docstring)."""
+    found = [
+        f"stage {index} ({stage.kind}): {stage.warning}" for index, stage in enumerate(result.stages) if stage.warning
+    ]
+    name = next(reversed(similarity))
+    before, after = similarity[name]["before"], similarity[name]["after"]
+    if before is not None and after is not None and after > before:
+        found.append(
+            f"the registration made the similarity {name} worse than no registration ({before:.4g} -> {after:.4g})"
+        )
+    low, high = jacobian["analytic_min"], jacobian["analytic_max"]
+    if low is not None and low <= 0:
+        found.append(f"the transformation folds: analytic Jacobian determinant down to {low:.3g}")
+    elif low is not None and high is not None and (low < VOLUME_CHANGE_LIMITS[0] or high > VOLUME_CHANGE_LIMITS[1]):
+        found.append(
+            f"extreme local volume change: analytic Jacobian determinant in [{low:.3g}, {high:.3g}]; a larger "
+            "prior weight or a coarser tessellation regularizes more"
+        )
+    if jacobian["fraction_nonpositive"]:
+        found.append(
+            f"{jacobian['fraction_nonpositive']:.2g} of the voxels have a non-positive finite-difference Jacobian"
+        )
+    return found
 
 
 def _grid_dict(grid: Grid) -> dict[str, list]:

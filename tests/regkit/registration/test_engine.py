@@ -214,7 +214,7 @@ def _blob(grid: Grid, centre: tuple[float, float]) -> Image:
     return gaussian_blobs(grid, [centre], 40.0, dtype=torch.float32)
 
 
-def _preview_config() -> RegistrationConfig:
+def _preview_config(cpab_learning_rate: float = 0.05) -> RegistrationConfig:
     levels = [{"shrink": 2, "smoothing": 1.0}, {"shrink": 1, "smoothing": 0.0}]
     optimizer = {"iterations": [3, 2], "tolerance": 0.0}
     return RegistrationConfig.model_validate(
@@ -228,7 +228,7 @@ def _preview_config() -> RegistrationConfig:
                     "type": "cpab",
                     "similarity": {"name": "mse"},
                     "pyramid": levels,
-                    "optimizer": {**optimizer, "learning_rate": 0.2},
+                    "optimizer": {**optimizer, "learning_rate": cpab_learning_rate},
                     "tessellation": [2, 4],
                     "steps": 5,
                 },
@@ -259,6 +259,20 @@ def test_on_level_reports_a_snapshot_after_every_level() -> None:
     assert torch.equal(seen[3][0].cpab[0].theta, result.transform.cpab[0].theta)
     points = grid.world_points(torch.float64).reshape(-1, 2)
     torch.testing.assert_close(seen[3][0].transform_world(points), result.transform.transform_world(points))
+
+
+def test_a_cpab_stage_that_worsens_the_similarity_is_discarded() -> None:
+    """After an exact affine stage, CPAB steps that are too large leave the pair worse than they found it: the earlier
+    stages' result is kept and the stage's report says so."""
+    grid = Grid.create((24, 20), (1.0, 1.5), (-3.0, 4.0))
+    fixed, moving = _blob(grid, (8.0, 18.0)), _blob(grid, (10.0, 16.0))
+    kept = register(fixed, moving, _preview_config(0.05))
+    assert len(kept.transform.cpab) == 1 and kept.stages[-1].warning is None
+    worse = register(fixed, moving, _preview_config(0.2))
+    assert worse.transform.cpab == []
+    assert worse.stages[-1].warning is not None and "made its similarity worse" in worse.stages[-1].warning
+    assert "warning" in worse.stages[-1].to_dict() and "warning" not in kept.stages[-1].to_dict()
+    np.testing.assert_allclose(worse.transform.matrix, kept.transform.matrix)  # the same linear stages
 
 
 def test_without_on_level_the_result_is_the_same() -> None:

@@ -31,6 +31,7 @@ def test_metrics_content(registration_case):
         "similarity",
         "labels",
         "jacobian",
+        "warnings",
         "field_of_view_overlap",
         "runtime",
         "peak_memory",
@@ -39,6 +40,7 @@ def test_metrics_content(registration_case):
         "versions",
         "images",
     }
+    assert metrics["warnings"] == []
     assert set(metrics["similarity"]) == {"ncc", "mse", "lncc"}
     for values in metrics["similarity"].values():
         assert values["after"] < values["before"]
@@ -61,3 +63,24 @@ def test_field_of_view_overlap():
     assert field_of_view_overlap(grid, grid) == 1.0
     assert field_of_view_overlap(grid, Grid.create((10, 10), origin=(100.0, 0.0))) == 0.0
     assert 0.4 < field_of_view_overlap(grid, Grid.create((10, 10), origin=(5.0, 0.0))) < 0.6
+
+
+def test_warnings_name_what_went_wrong(registration_case):
+    from regkit.results.metrics import metrics_warnings
+
+    result = registration_case[0]
+    fine = {"fraction_nonpositive": 0.0, "sdlogj": 0.03, "analytic_min": 0.8, "analytic_max": 1.2}
+    better = {"ncc": {"before": 0.5, "after": 0.1}}
+    assert metrics_warnings(result, better, fine) == []
+    worse = {"ncc": {"before": 0.1, "after": 0.5}}
+    assert metrics_warnings(result, worse, fine) == [
+        "the registration made the similarity ncc worse than no registration (0.1 -> 0.5)"
+    ]
+    folds = {**fine, "analytic_min": -0.2, "fraction_nonpositive": 0.01}
+    assert metrics_warnings(result, better, folds) == [
+        "the transformation folds: analytic Jacobian determinant down to -0.2",
+        "0.01 of the voxels have a non-positive finite-difference Jacobian",
+    ]
+    extreme = {**fine, "analytic_min": 0.09, "analytic_max": 12.6}
+    (line,) = metrics_warnings(result, better, extreme)
+    assert line.startswith("extreme local volume change: analytic Jacobian determinant in [0.09, 12.6]")

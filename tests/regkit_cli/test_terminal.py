@@ -1,0 +1,22 @@
+"""The summary lines printed after a registration (regkit_cli.terminal)."""
+
+from pathlib import Path
+
+from regkit_cli.terminal import summary_lines
+
+
+def _metrics(warnings: list[str]) -> dict:
+    return {
+        "similarity": {"ncc": {"before": 0.5, "after": 0.1}},
+        "jacobian": {"fraction_nonpositive": 0.0, "sdlogj": 0.03, "analytic_min": 0.8, "analytic_max": 1.2},
+        "runtime": {"total_seconds": 1.0, "stages": [{"kind": "cpab", "seconds": 1.0}]},
+        "peak_memory": {"bytes": None},
+        "device": "cpu",
+        "warnings": warnings,
+    }
+
+
+def test_warnings_end_the_summary():
+    lines = summary_lines(Path("out"), _metrics(["stage 2 (cpab): the deformable stage made its similarity worse"]))
+    assert lines[-1] == "warning: stage 2 (cpab): the deformable stage made its similarity worse"
+    assert not [line for line in summary_lines(Path("out"), _metrics([])) if line.startswith("warning")]
