@@ -27,6 +27,16 @@ def test_register_prints_where_and_key_metrics(files, tmp_path, capsys):
     assert run_cli([*argv, "--moving-labels", files["ml"], "--fixed-labels", files["fl"]]) == 0
     stdout = capsys.readouterr().out
     assert f"outputs: {out}" in stdout and "Dice (mean of 2 labels)" in stdout and "runtime:" in stdout
+    assert f"configuration: {files['config']}\n" in stdout
+
+
+def test_register_names_the_default_configuration(files, tmp_path, capsys, monkeypatch):
+    from regkit.config import DEFAULT_PRESETS
+
+    monkeypatch.setitem(DEFAULT_PRESETS, 2, str(files["config"]))  # the tiny configuration stands in for the default
+    assert run_cli(["register", files["fixed"], files["moving"], "-o", tmp_path / "out"]) == 0
+    stdout = capsys.readouterr().out
+    assert f"configuration: {files['config']} (the default for 2D images; --config chooses another)" in stdout
 
 
 def test_register_quiet_prints_nothing(files, tmp_path, capsys):

@@ -75,7 +75,11 @@ def register(
     )
     fixed_image, moving_image = inputs.fixed, inputs.moving
     overrides = {key: value for key, value in (("device", device), ("seed", seed)) if value is not None}
-    cfg = load_config(config or DEFAULT_PRESETS[fixed_image.ndim], overrides=overrides)
+    source = config or DEFAULT_PRESETS[fixed_image.ndim]
+    cfg = load_config(source, overrides=overrides)
+    if not quiet:
+        why = "" if config else f" (the default for {fixed_image.ndim}D images; --config chooses another)"
+        typer.echo(f"configuration: {source}{why}")
     if field_of_view_overlap(fixed_image.grid, moving_image.grid) == 0:
         typer.echo(
             f"warning: {fixed} and {moving} do not overlap in world space (LPS mm); the registration relies on its "
