@@ -29,9 +29,11 @@ SUMMARY_COLUMNS = (
     "mean_dice_after",
     "jacobian_fraction_nonpositive",
     "sdlogj",
+    "warnings",
     "error",
 )
-"""Columns of ``summary.csv``: the manifest's state, runtime (s) and device, and metrics from each ``metrics.json``."""
+"""Columns of ``summary.csv``: the manifest's state, runtime (s) and device, and metrics from each ``metrics.json``
+(``warnings``: its warnings joined by ``; ``)."""
 
 
 def summary_rows(plan: Plan, rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -57,6 +59,7 @@ def summary_rows(plan: Plan, rows: dict[str, dict[str, Any]]) -> list[dict[str, 
                 "mean_dice_after": labels.get("mean_dice_after"),
                 "jacobian_fraction_nonpositive": jacobian.get("fraction_nonpositive"),
                 "sdlogj": jacobian.get("sdlogj"),
+                "warnings": "; ".join(metrics.get("warnings") or []) or None,
                 "error": row.get("error"),
             }
         )
@@ -219,6 +222,7 @@ def write_report(plan: Plan, rows: dict[str, dict[str, Any]]) -> Path:
         ("Dice after", "num"),
         ("folds %", "num"),
         ("SDlogJ", "num"),
+        ("warnings", "text"),
         ("error", "text"),
     ]
     body = []
@@ -238,7 +242,7 @@ def write_report(plan: Plan, rows: dict[str, dict[str, Any]]) -> Path:
             f"{qc}{_cell(row['state'])}{_cell(row['seconds'], 4)}{_cell(row['device'])}"
             f"{_cell(row['mean_dice_before'], 3)}{_cell(row['mean_dice_after'], 3)}"
             f"{_cell(row['jacobian_fraction_nonpositive'], 3, 100.0)}{_cell(row['sdlogj'], 3)}"
-            f"{_cell(row['error'], css='error')}</tr>"
+            f"{_cell(row['warnings'], css='error')}{_cell(row['error'], css='error')}</tr>"
         )
     title = f"regkit batch: {plan.root}"
     page = "\n".join(

@@ -66,6 +66,6 @@ def test_report_html_is_self_contained_with_a_row_per_job(tmp_path):
         assert page.links == ["c_to_a/qc.png", page.images[0]]  # a relative link to the full picture
         assert "://" not in text and "url(" not in text and "@import" not in text  # nothing from the network
         assert page.svgs == 2 and text.count("no values") == 2  # folds and runtime; no labels: no Dice
-        assert {"Dice after", "folds %", "runtime s", "device", "error"} <= set(page.headers)
+        assert {"Dice after", "folds %", "runtime s", "device", "warnings", "error"} <= set(page.headers)
         assert "<script>" in text and "<style>" in text
     assert not list((tmp_path / "out").glob("*.tmp-*"))

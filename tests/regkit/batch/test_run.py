@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 
 from regkit.batch import Manifest, load_spec, run_batch
 from regkit.io import write_image
@@ -29,6 +30,8 @@ def test_run_resume_failure_retry_force(tmp_path):
     assert [(r["name"], r["state"], r["device"]) for r in summary] == expected
     assert float(summary[0]["seconds"]) > 0 and summary[0]["jacobian_fraction_nonpositive"] != ""
     assert summary[1]["error"] == rows["c_to_a"]["error"]
+    warnings = json.loads((tmp_path / "out" / "b_to_a" / "metrics.json").read_text())["warnings"]
+    assert summary[0]["warnings"] == "; ".join(warnings)  # what metrics.json says, empty when nothing went wrong
 
     done_mtime = (tmp_path / "out" / "b_to_a" / "transform.json").stat().st_mtime_ns
     again = run_batch(load_spec(spec))
