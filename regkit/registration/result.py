@@ -70,6 +70,11 @@ class RegistrationResult:
     seconds: float
     peak_memory_bytes: int | None  # CUDA: max_memory_allocated; None on the CPU
 
+    @property
+    def stage_warnings(self) -> list[str]:
+        """What the stages reported going wrong, one sentence each (``stage INDEX (KIND): ...``)."""
+        return [f"stage {i} ({stage.kind}): {stage.warning}" for i, stage in enumerate(self.stages) if stage.warning]
+
     def warp(self, image: Image, mode: str = "linear") -> Image:
         """Resample ``image`` (in the moving image's world space, any grid) onto the fixed grid."""
         data = image.data.to(self.device)

@@ -177,9 +177,7 @@ VOLUME_CHANGE_LIMITS = (0.1, 10.0)
 
 def metrics_warnings(result: RegistrationResult, similarity: dict[str, dict], jacobian: dict[str, Any]) -> list[str]:
     """The ``warnings`` of ``metrics.json`` (module docstring)."""
-    found = [
-        f"stage {index} ({stage.kind}): {stage.warning}" for index, stage in enumerate(result.stages) if stage.warning
-    ]
+    found = list(result.stage_warnings)
     name = next(reversed(similarity))
     before, after = similarity[name]["before"], similarity[name]["after"]
     if before is not None and after is not None and after > before:

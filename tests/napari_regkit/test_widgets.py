@@ -321,3 +321,19 @@ def test_inspect_widget_errors_are_notifications(make_napari_viewer, monkeypatch
     widget.moving.value = viewer.layers["moving"]
     widget.load()
     assert widget.worker is None and "transform.json: no such file" in errors[-1]
+
+
+def test_stage_warnings_are_notifications(make_napari_viewer, qtbot, monkeypatch, tmp_path: Path) -> None:
+    """What the engine reports going wrong (a discarded CPAB stage, say) becomes a napari warning after the run."""
+    import napari_regkit._qt._registration as module
+    from regkit.registration import RegistrationResult
+
+    warnings: list[str] = []
+    monkeypatch.setattr(module, "show_warning", warnings.append)
+    monkeypatch.setattr(RegistrationResult, "stage_warnings", property(lambda self: ["stage 1 (cpab): made it worse"]))
+    viewer, _, _ = _viewer_with_pair(make_napari_viewer, 2)
+    config = tmp_path / "quick.yaml"
+    config.write_text(QUICK_CPAB.format(dim=2, iterations=2))
+    widget = _registration_widget(viewer, config_file=config)
+    _run(qtbot, widget)
+    assert widget.last_run is not None and warnings == ["regkit: stage 1 (cpab): made it worse"]

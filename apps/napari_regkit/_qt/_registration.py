@@ -13,7 +13,7 @@ from magicgui.widgets import ComboBox, Container, FileEdit, Label, LineEdit, Pro
 from napari.layers import Image as ImageLayer
 from napari.layers import Labels as LabelsLayer
 from napari.qt.threading import FunctionWorker, create_worker
-from napari.utils.notifications import show_error, show_info
+from napari.utils.notifications import show_error, show_info, show_warning
 from qtpy.QtWidgets import QApplication
 from superqt.utils import ensure_main_thread
 
@@ -230,6 +230,8 @@ class RegistrationWidget(Container):
             self.status.value = f"done in {outcome.result.seconds:.1f} s on {outcome.result.device}"
             self.save_button.enabled = True
             self._show_comparison()
+            for warning in outcome.result.stage_warnings:
+                show_warning(f"regkit: {warning}")
 
     def _finished(self) -> None:
         if self._closed:

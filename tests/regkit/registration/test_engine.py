@@ -272,6 +272,7 @@ def test_a_cpab_stage_that_worsens_the_similarity_is_discarded() -> None:
     assert worse.transform.cpab == []
     assert worse.stages[-1].warning is not None and "made its similarity worse" in worse.stages[-1].warning
     assert "warning" in worse.stages[-1].to_dict() and "warning" not in kept.stages[-1].to_dict()
+    assert worse.stage_warnings == [f"stage 2 (cpab): {worse.stages[-1].warning}"] and kept.stage_warnings == []
     np.testing.assert_allclose(worse.transform.matrix, kept.transform.matrix)  # the same linear stages
 
 
