@@ -99,7 +99,7 @@ def imports(path: Path) -> list[Import]:
         for child in ast.iter_child_nodes(node):
             visit(child, typing_only)
 
-    visit(ast.parse(path.read_text(), str(path)), False)
+    visit(ast.parse(path.read_text(encoding="utf-8"), str(path)), False)
     return found
 
 
@@ -221,7 +221,7 @@ def test_no_private_name_outside_its_module():
                     wrong.append(f"{path.relative_to(ROOT)}:{imp.line}: private module {submodule}")
             elif is_private(imp.name) and imp.module != me:
                 wrong.append(f"{path.relative_to(ROOT)}:{imp.line}: {imp.module}.{imp.name}")
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Attribute) and is_private(node.attr) and isinstance(node.value, ast.Name):
                 module = aliases.get(node.value.id)
                 if module is not None and module != me and f"{module}.{node.attr}" not in known:
@@ -232,7 +232,7 @@ def test_no_private_name_outside_its_module():
 def test_engine_modules_are_small_or_say_why():
     wrong = []
     for path in sorted((ROOT / "regkit").rglob("*.py")):
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
         lines = len(text.splitlines())
         if lines > MAX_LINES and f"Over {MAX_LINES} lines because" not in (ast.get_docstring(ast.parse(text)) or ""):
             wrong.append(f"{path.relative_to(ROOT)}: {lines} lines")
