@@ -106,13 +106,19 @@ def _finite(value: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
+def _last_similarity(result: RegistrationResult) -> Any:
+    """The similarity options of the configuration's last optimized stage (None with no such stage): the measure the
+    registration is judged by."""
+    optimized = [stage for stage in result.config.stages if hasattr(stage, "similarity")]
+    return optimized[-1].similarity if optimized else None
+
+
 def _similarities(result: RegistrationResult, world: torch.Tensor, mapped: torch.Tensor) -> dict[str, dict]:
     """``{name: {"before", "after"}}`` for ncc, mse and the last optimized stage's similarity (module docstring);
     ``world``: the fixed voxel centres, ``mapped``: their images under the transformation (moving world space)."""
     measures: dict[str, dict[str, Any]] = {"ncc": {}, "mse": {}}
-    optimized = [stage for stage in result.config.stages if hasattr(stage, "similarity")]
-    if optimized and optimized[-1].similarity.name in ("lncc", "mi"):
-        last = optimized[-1].similarity
+    last = _last_similarity(result)
+    if last is not None and last.name in ("lncc", "mi"):
         measures[last.name] = last.model_dump(exclude={"name"})
     fixed = rescale_intensities(result.fixed.data)[None, None]
     moving = Image(rescale_intensities(result.moving.data), result.moving.grid)
@@ -178,7 +184,8 @@ VOLUME_CHANGE_LIMITS = (0.1, 10.0)
 def metrics_warnings(result: RegistrationResult, similarity: dict[str, dict], jacobian: dict[str, Any]) -> list[str]:
     """The ``warnings`` of ``metrics.json`` (module docstring)."""
     found = list(result.stage_warnings)
-    name = next(reversed(similarity))
+    last = _last_similarity(result)
+    name = last.name if last is not None and last.name in similarity else "ncc"
     before, after = similarity[name]["before"], similarity[name]["after"]
     if before is not None and after is not None and after > before:
         found.append(

@@ -9,7 +9,7 @@ import torch
 
 import regkit.similarity.lncc
 from regkit.similarity import build_similarity
-from tests.regkit.similarity.cases import smooth_image
+from tests.regkit.similarity.cases import masked_brain_in_float64_and_float32, smooth_image
 
 
 def naive_lncc(f, g, w, window, eps):
@@ -74,25 +74,10 @@ def test_lncc_closed_form_backward_matches_autograd(window, lncc_face):
 
 @pytest.mark.parametrize("ndim", [2, 3])
 def test_masked_lncc_in_float32_equals_float64_on_a_brain(ndim, lncc_face):
-    """The bundled MNI152 brain (2 mm; a slice in 2D) under its own brain mask: windows that hold no mask voxel carry
-    only the rounding of the box sums (in float32 ~1e-5 of a line's total), which must give cc^2 = 0, not inf; the
-    loss and the gradient in float32 agree with float64."""
-    from regkit.demo import load_template
-
-    brain = load_template().data.double()
-    brain = brain / brain.max()
-    if ndim == 2:
-        brain = brain[brain.shape[0] // 2]
-    moved = torch.roll(brain, 2, 0) * 0.9 + 0.02
-    mask = (brain > 0.2).double()
-    sim = build_similarity("lncc", window=5)
-    results = {}
-    for dtype in (torch.float64, torch.float32):
-        g = moved[None, None].to(dtype).requires_grad_(True)
-        loss = sim(brain[None, None].to(dtype), g, mask[None, None].to(dtype))
-        loss.backward()
-        results[dtype] = loss.detach().double(), g.grad.double()
-    (loss64, grad64), (loss32, grad32) = results[torch.float64], results[torch.float32]
+    """The bundled MNI152 brain under its own brain mask: windows that hold no mask voxel carry only the rounding of
+    the box sums (in float32 ~1e-5 of a line's total), which must give cc^2 = 0, not inf; the loss and the gradient in
+    float32 agree with float64."""
+    (loss64, grad64), (loss32, grad32) = masked_brain_in_float64_and_float32(build_similarity("lncc", window=5), ndim)
     assert torch.isfinite(loss32) and torch.isfinite(grad32).all()
     assert abs(float(loss32 - loss64)) < 1e-4
     assert (grad32 - grad64).abs().max() < 1e-3 * grad64.abs().max()

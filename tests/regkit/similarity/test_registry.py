@@ -19,7 +19,7 @@ from regkit.similarity import (
     register_similarity,
 )
 from regkit.similarity.base import Similarity
-from tests.regkit.similarity.cases import NAMES
+from tests.regkit.similarity.cases import NAMES, masked_brain_in_float64_and_float32
 
 
 class L1(Similarity):
@@ -78,19 +78,7 @@ def test_the_configuration_union_is_generated_from_the_registry():
 def test_every_measure_takes_a_brain_mask_in_float32(name):
     """An axial slice of the bundled MNI152 brain under its own brain mask: every registered measure gives a finite
     loss and gradient in float32 that agree with float64."""
-    from regkit.demo import load_template
-
-    brain = load_template().data.double()
-    brain = brain[brain.shape[0] // 2] / brain.max()
-    moved, mask = torch.roll(brain, 2, 0) * 0.9 + 0.02, (brain > 0.2).double()
-    sim = build_similarity(name)
-    results = {}
-    for dtype in (torch.float64, torch.float32):
-        moving = moved[None, None].to(dtype).requires_grad_(True)
-        loss = sim(brain[None, None].to(dtype), moving, mask[None, None].to(dtype))
-        loss.backward()
-        results[dtype] = loss.detach().double(), moving.grad.double()
-    (loss64, grad64), (loss32, grad32) = results[torch.float64], results[torch.float32]
+    (loss64, grad64), (loss32, grad32) = masked_brain_in_float64_and_float32(build_similarity(name), 2)
     assert torch.isfinite(loss32) and torch.isfinite(grad32).all()
     assert abs(float(loss32 - loss64)) < 1e-4 * max(1.0, abs(float(loss64)))
     assert (grad32 - grad64).abs().max() < 1e-3 * grad64.abs().max()
