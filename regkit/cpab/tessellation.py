@@ -232,6 +232,34 @@ class Tessellation:
         normals = at_upper.astype(np.float64) - at_lower.astype(np.float64)
         return torch.from_numpy(cells.copy()), torch.from_numpy(verts.copy()), torch.from_numpy(normals)
 
+    @cached_property
+    def _facet_planes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(C, n + 1, n + 1) float64 barycentric rows and (C, n + 1) int64 neighbours (see :meth:`facet_planes`)."""
+        n = self.ndim
+        corners = self._to_domain(self._grid_vertices)[self._cell_vertex_ids]  # (C, n + 1, n)
+        lifted = np.concatenate([corners, np.ones((*corners.shape[:-1], 1))], axis=-1)  # rows [v_f; 1]
+        planes = np.linalg.inv(lifted.transpose(0, 2, 1))  # planes @ [v_g; 1] = delta_fg
+        drop = np.array([[k for k in range(n + 1) if k != skip] for skip in range(n + 1)])
+        facets = np.sort(self._cell_vertex_ids[:, drop], axis=-1).reshape(-1, n)  # facet f of cell c: row c (n+1) + f
+        key = _facet_key(facets, self.n_vertices)
+        order = np.argsort(key, kind="stable")
+        pair = np.flatnonzero(key[order][1:] == key[order][:-1])  # sorted positions p, p + 1 share one facet
+        neighbors = np.full(key.shape, -1, dtype=np.int64)
+        first, second = order[pair], order[pair + 1]
+        neighbors[first], neighbors[second] = second // (n + 1), first // (n + 1)
+        return planes, neighbors.reshape(self.n_cells, n + 1)
+
+    def facet_planes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each cell's barycentric coordinates and neighbours, for following a flow from cell to cell.
+
+        Returns ``planes (C, n + 1, n + 1)`` float64 and ``neighbors (C, n + 1)`` int64. Row ``f`` of ``planes[c]``
+        gives the barycentric coordinate of cell ``c``'s vertex ``f`` (in :meth:`cell_vertex_ids` order) at a domain
+        point ``x``: ``planes[c, f, :n] . x + planes[c, f, n]``. It is 1 at that vertex, 0 on the facet opposite it,
+        and a point lies in the cell when all ``n + 1`` are non-negative. ``neighbors[c, f]`` is the cell across that
+        facet, ``-1`` where the facet lies on the box boundary."""
+        planes, neighbors = self._facet_planes
+        return torch.from_numpy(planes.copy()), torch.from_numpy(neighbors.copy())
+
     def locate(self, points: torch.Tensor) -> torch.Tensor:
         """Cell ids ``(...,)`` int64 of domain points ``(..., ndim)``, by closed-form index arithmetic.
 

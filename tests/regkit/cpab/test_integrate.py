@@ -16,17 +16,16 @@ from scipy.integrate import solve_ivp
 
 from regkit._backend import BackendError
 from regkit.cpab.basis import CPABasis, cpa_basis
+from regkit.cpab.baselines import forward_sensitivity_gradient, integrate_accurate
 from regkit.cpab.integrate import (
-    forward_sensitivity_gradient,
     integrate,
-    integrate_accurate,
     integrate_chain,
     integrate_reference,
     integrate_trajectory,
     jacobian,
     log_jacobian_determinant,
-    step_matrices,
 )
+from regkit.cpab.scheme import step_matrices
 from regkit.cpab.tessellation import Tessellation
 
 F64 = torch.float64

@@ -13,7 +13,8 @@ import torch
 pytest.importorskip("triton")
 
 from regkit.cpab.basis import BOUNDARY_MODES, cpa_basis
-from regkit.cpab.integrate import integrate, integrate_reference, integrate_trajectory, step_matrices, step_matrices_vjp
+from regkit.cpab.integrate import integrate, integrate_reference, integrate_trajectory
+from regkit.cpab.scheme import step_matrices, step_matrices_vjp
 from regkit.cpab.tessellation import Tessellation
 from regkit_kernels.cpab import cpab_fwd
 from tests.helpers import assert_relative_close, relative_tolerance

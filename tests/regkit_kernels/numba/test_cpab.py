@@ -10,7 +10,8 @@ pytest.importorskip("numba")
 
 from regkit.cpab import CPAB
 from regkit.cpab.basis import BOUNDARY_MODES
-from regkit.cpab.integrate import integrate, integrate_reference, step_matrices, step_matrices_vjp
+from regkit.cpab.integrate import integrate, integrate_reference
+from regkit.cpab.scheme import step_matrices, step_matrices_vjp
 from regkit.cpab.tessellation import Tessellation
 from regkit_kernels.numba import cpab as cpab_numba
 from tests.helpers import assert_relative_close, relative_tolerance
