@@ -1,12 +1,14 @@
-"""regkit.cpab.integrate: the expm-step scheme, its factorized adjoint and the baselines, on real tessellations.
+"""regkit.cpab.integrate: the facet-resolved scheme, its factorized adjoint and the baselines, on real tessellations.
 
-The factorized gradient differentiates the discrete scheme with the visited cells fixed, so it must equal unrolled
-autograd through ``integrate_reference`` to rounding (also on facets and outside the box), and pass ``gradcheck``
-wherever finite differences do not move a step into another cell (points kept away from facets below).
+The scheme is the exact flow (any number of steps, inverted by ``-A``, continuous across facets). The factorized
+gradient holds cells and hit times fixed, so it equals unrolled autograd through ``integrate_reference`` to rounding
+(also on facets and outside the box); it is the flow's gradient because the field is continuous, which ``gradcheck``
+checks through facet crossings.
 """
 
 from __future__ import annotations
 
+import math
 from functools import cache
 
 import numpy as np
@@ -15,9 +17,10 @@ import torch
 from scipy.integrate import solve_ivp
 
 from regkit._backend import BackendError
-from regkit.cpab.basis import CPABasis, cpa_basis
 from regkit.cpab.baselines import forward_sensitivity_gradient, integrate_accurate
+from regkit.cpab.basis import CPABasis, cpa_basis
 from regkit.cpab.integrate import (
+    count_crossings,
     integrate,
     integrate_chain,
     integrate_reference,
@@ -49,19 +52,6 @@ def _random_points(tess: Tessellation, count: int, seed: int = 1, spread: float 
     lower, upper = torch.tensor(tess.lower, dtype=F64), torch.tensor(tess.upper, dtype=F64)
     u = 0.5 + spread * (torch.rand(count, tess.ndim, generator=gen, dtype=F64) - 0.5)
     return lower + (upper - lower) * u
-
-
-def _away_from_facets(tess: Tessellation, A: torch.Tensor, points: torch.Tensor, steps: int) -> torch.Tensor:
-    """The points whose every step (for every batch element of ``A``) starts at least 1e-3 (barycentric) inside its
-    cell: finite differences of gradcheck then keep the same cells."""
-    n = tess.ndim
-    corners = tess.cell_vertices()  # (C, n + 1, n)
-    inverse = torch.linalg.inv(torch.cat([corners, torch.ones(*corners.shape[:-1], 1, dtype=F64)], -1).mT)
-    traj = integrate_trajectory(points, A, tess, steps=steps)[:-1]  # (T, B?, N, n)
-    bary = inverse[tess.locate(traj)] @ torch.cat([traj, torch.ones_like(traj[..., :1])], -1).unsqueeze(-1)
-    inside = (bary.squeeze(-1).amin(-1) > 1e-3).reshape(-1, points.shape[0]).all(0)
-    assert n == points.shape[-1]
-    return points[inside]
 
 
 def _special_points(tess: Tessellation) -> torch.Tensor:
@@ -138,8 +128,8 @@ def test_time_zero_is_the_identity_and_time_one_the_default(shape: tuple[int, ..
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_matches_solve_ivp_and_converges_with_steps(shape: tuple[int, ...]) -> None:
-    """The expm scheme's error (only from facet-crossing steps) shrinks with T; the accurate variant is ~exact."""
+def test_is_the_exact_flow_for_any_number_of_steps(shape: tuple[int, ...]) -> None:
+    """Facet crossings are resolved: few steps give the flow of solve_ivp, as the bisection variant does."""
     basis = _basis(shape)
     theta = _theta(basis, scale=2.0)  # large enough that several points cross facets
     A = basis.to_A(theta)
@@ -153,25 +143,42 @@ def test_matches_solve_ivp_and_converges_with_steps(shape: tuple[int, ...]) -> N
             [solve_ivp(rhs, (0.0, 1.0), p.numpy(), method="DOP853", rtol=1e-12, atol=1e-12).y[:, -1] for p in points]
         )
     )
-    errors = [(integrate(points, A, basis.tess, steps=T) - exact).abs().max().item() for T in (10, 40, 160)]
-    assert errors[0] > errors[1] > errors[2]
-    assert errors[2] < errors[0] / 30
-    accurate = integrate_accurate(points, A, basis.tess, steps=5)
-    torch.testing.assert_close(accurate, exact, rtol=0, atol=1e-9)
+    assert count_crossings(points, A, basis.tess, steps=2) > 0
+    for steps in (2, 5, 40):
+        torch.testing.assert_close(integrate(points, A, basis.tess, steps=steps), exact, rtol=0, atol=1e-9)
+    torch.testing.assert_close(integrate_accurate(points, A, basis.tess, steps=5), exact, rtol=0, atol=1e-9)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_inverse_round_trip_error_shrinks_with_steps(shape: tuple[int, ...]) -> None:
+def test_the_flow_of_minus_A_inverts_to_rounding(shape: tuple[int, ...]) -> None:
     basis = _basis(shape)
-    A = basis.to_A(_theta(basis, scale=0.8))
-    points = _random_points(basis.tess, 40)
-    errors = []
-    for T in (5, 20, 80, 320):
-        there = integrate(points, A, basis.tess, steps=T)
-        back = integrate_chain(there, [A], basis.tess, steps=T, inverse=True)
-        errors.append((back - points).abs().max().item())
-    assert errors == sorted(errors, reverse=True) and errors[-1] < errors[0] / 30
-    assert errors[-1] > 0  # the discrete scheme is only approximately inverted
+    A = basis.to_A(_theta(basis, scale=1.5))
+    points = _random_points(basis.tess, 200)
+    for steps in (2, 5, 50):
+        there = integrate(points, A, basis.tess, steps=steps)
+        back = integrate_chain(there, [A], basis.tess, steps=steps, inverse=True)
+        torch.testing.assert_close(back, points, rtol=0, atol=1e-12)
+    assert count_crossings(points, A, basis.tess, steps=2) > 20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_continuous_across_facets(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Along lines sampled finely through many cells, consecutive images move no more than the flow's Lipschitz
+    bound allows: no jump where a step's end moves into another cell."""
+    basis = _basis(shape)
+    theta = _theta(basis, scale=1.5)
+    A = basis.to_A(theta).to(dtype)
+    ends = _random_points(basis.tess, 2 * 20, seed=6, spread=0.95).view(20, 2, -1)
+    s = torch.linspace(0, 1, 2001, dtype=F64).view(1, -1, 1)
+    lines = (ends[:, :1] + s * (ends[:, 1:] - ends[:, :1])).to(dtype)  # (20, 2001, n)
+    spacing = (ends[:, 1] - ends[:, 0]).norm(dim=-1).max().item() / 2000
+    images = integrate(lines.reshape(-1, len(shape)), A, basis.tess, steps=2).view(*lines.shape).double()
+    steps = (images[:, 1:] - images[:, :-1]).norm(dim=-1)
+    lipschitz = math.exp(float(torch.linalg.matrix_norm(basis.to_A(theta)[..., :-1], ord=2).amax()))  # exp(L t)
+    rounding = 1e-5 if dtype == torch.float32 else 1e-12
+    assert steps.max().item() <= lipschitz * spacing + rounding
+    assert count_crossings(lines.reshape(-1, len(shape)), A, basis.tess, steps=2) > 100
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -184,7 +191,7 @@ def test_chain_applies_stages_in_order_and_inverts(shape: tuple[int, ...]) -> No
     expected = integrate(integrate(points, A1, coarse.tess, steps=30), A2, fine.tess, steps=30)
     assert torch.equal(chained, expected)
     back = integrate_chain(chained, [A1, A2], [coarse.tess, fine.tess], steps=30, inverse=True)
-    torch.testing.assert_close(back, points, rtol=0, atol=1e-3)
+    torch.testing.assert_close(back, points, rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="tessellations"):
         integrate_chain(points, [A1, A2], [coarse.tess])
 
@@ -199,9 +206,12 @@ def test_jacobian_is_analytic_and_positive(shape: tuple[int, ...]) -> None:
     assert J.shape == (2, points.shape[0], len(shape), len(shape))
     assert (torch.linalg.det(J) > 0).all()
     torch.testing.assert_close(torch.linalg.det(J).log(), logdet, rtol=0, atol=1e-10)
-    autograd = torch.func.vmap(torch.func.jacrev(lambda p: integrate_reference(p, A[0], basis.tess, steps=20)))(
-        points.unsqueeze(1)
-    )
+    autograd = torch.stack(
+        [
+            torch.autograd.functional.jacobian(lambda p: integrate_reference(p, A[0], basis.tess, steps=20), point)
+            for point in points.unsqueeze(1)
+        ]
+    )  # (N, 1, n, 1, n)
     torch.testing.assert_close(J[0], autograd[:, 0, :, 0], rtol=0, atol=1e-11)
 
 
@@ -212,12 +222,12 @@ def test_jacobian_is_analytic_and_positive(shape: tuple[int, ...]) -> None:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gradcheck_factorized(shape: tuple[int, ...], boundary: str) -> None:
     basis = _basis(shape, boundary)
-    theta = _theta(basis, 2, scale=0.4)
-    points = _away_from_facets(basis.tess, basis.to_A(theta), _random_points(basis.tess, 60, seed=3), steps=5)[:4]
-    assert points.shape[0] == 4
+    theta = _theta(basis, 2, scale=1.5)
+    points = _random_points(basis.tess, 12, seed=3)
+    assert count_crossings(points, basis.to_A(theta), basis.tess, steps=2) > 0
 
     def run(p: torch.Tensor, th: torch.Tensor) -> torch.Tensor:
-        return integrate(p, basis.to_A(th), basis.tess, steps=5, checkpoint_every=2, backend="torch")
+        return integrate(p, basis.to_A(th), basis.tess, steps=2, checkpoint_every=1, backend="torch")
 
     inputs = (points.requires_grad_(True), theta.requires_grad_(True))
     assert torch.autograd.gradcheck(run, inputs, fast_mode=len(shape) == 3)  # fast mode: a random projection of J
@@ -226,7 +236,8 @@ def test_gradcheck_factorized(shape: tuple[int, ...], boundary: str) -> None:
 def test_gradcheck_volume_preserving() -> None:
     basis = _basis((3, 3), "zero", True)
     theta = _theta(basis, scale=2.0)
-    points = _away_from_facets(basis.tess, basis.to_A(theta), _random_points(basis.tess, 60, seed=5), steps=5)[:4]
+    points = _random_points(basis.tess, 6, seed=5)
+    assert count_crossings(points, basis.to_A(theta), basis.tess, steps=5) > 0
 
     def run(p: torch.Tensor, th: torch.Tensor) -> torch.Tensor:
         return integrate(p, basis.to_A(th), basis.tess, steps=5, backend="torch")

@@ -254,3 +254,20 @@ def test_locate_cuda_matches_cpu(tess: Tessellation) -> None:
         assert cuda.device.type == "cuda"
         assert_contains(tess, points.to(dtype).cuda().cpu(), 1e-5 * max(tess.shape))
         assert torch.equal(cpu, cuda.cpu())
+
+
+@pytest.mark.parametrize("shape", [(3, 2), (2, 3, 2)])
+def test_facet_planes_are_barycentric_and_neighbors_share_facets(shape: tuple[int, ...]) -> None:
+    tess = Tessellation(shape, lower=(-1.0,) * len(shape), upper=(2.0,) * len(shape))
+    n = tess.ndim
+    planes, neighbors = tess.facet_planes()
+    assert planes.shape == (tess.n_cells, n + 1, n + 1) and neighbors.shape == (tess.n_cells, n + 1)
+    at_vertices = torch.einsum("cfi,cgi->cfg", planes[..., :n], tess.cell_vertices()) + planes[..., n, None]
+    torch.testing.assert_close(at_vertices, torch.eye(n + 1, dtype=torch.float64).expand_as(at_vertices))
+    ids = tess.cell_vertex_ids()
+    boundary_cells, _, _ = tess.boundary_facets()
+    assert int((neighbors < 0).sum()) == boundary_cells.numel()
+    for cell, facet in (neighbors >= 0).nonzero().tolist():
+        other = int(neighbors[cell, facet])
+        shared = set(ids[cell].tolist()) - {int(ids[cell, facet])}
+        assert shared <= set(ids[other].tolist()) and cell in neighbors[other].tolist()
