@@ -9,6 +9,7 @@ from benchmarks.accuracy import accuracy
 from benchmarks.batch import batch
 from benchmarks.common import CommandGroup
 from benchmarks.cpab import cpab
+from benchmarks.diffeomorphism import diffeomorphism
 from benchmarks.features import features
 from benchmarks.registration import registration
 from benchmarks.wtconv import wtconv
@@ -26,6 +27,7 @@ app.command("registration")(registration)
 app.command("features")(features)
 app.command("accuracy")(accuracy)
 app.command("batch")(batch)
+app.command("diffeomorphism")(diffeomorphism)
 
 if __name__ == "__main__":
     app()

@@ -74,6 +74,12 @@ def summary_lines(out: Path, metrics: dict) -> list[str]:
             f"Jacobian: {jac['fraction_nonpositive']:.2g} non-positive, SDlogJ {_num(jac['sdlogj'], '.3f')}, "
             f"analytic det in [{_num(jac['analytic_min'], '.3f')}, {_num(jac['analytic_max'], '.3f')}]"
         )
+    inv = metrics["invertibility"]
+    lines.append(
+        f"inverse consistency: max {_num(inv['inverse_consistency_mm']['max'], '.2g')} mm, p99 "
+        f"{_num(inv['inverse_consistency_mm']['p99'], '.2g')} mm; points {inv['probe_mm']:g} mm apart map at most "
+        f"{_num(inv['largest_jump_mm'], '.2g')} mm apart"
+    )
     runtime = metrics["runtime"]
     stages = ", ".join(f"{s['kind']} {s['seconds']:.1f} s" for s in runtime["stages"])
     memory = metrics["peak_memory"]["bytes"]

@@ -122,4 +122,5 @@ def register(
         device=str(dev),
         seconds=round(time.perf_counter() - ctx.start, 3),
         peak_memory_bytes=peak,
+        fixed_mask=fixed_mask,
     )

@@ -69,6 +69,7 @@ class RegistrationResult:
     device: str
     seconds: float
     peak_memory_bytes: int | None  # CUDA: max_memory_allocated; None on the CPU
+    fixed_mask: Image | None = None  # the mask the similarity used on the fixed grid, if any
 
     @property
     def stage_warnings(self) -> list[str]:

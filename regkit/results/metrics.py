@@ -11,6 +11,11 @@ null):
 * ``jacobian``: Learn2Reg's ``fraction_nonpositive`` and ``sdlogj`` from central differences of
   ``displacement.nii.gz`` (:mod:`regkit.spatial.metrics`), and the analytic determinant's ``analytic_min`` and
   ``analytic_max``;
+* ``invertibility``: the guarantees measured on this result, over the fixed mask (or, without one, the fixed
+  image's foreground: rescaled intensity above ``FOREGROUND``), at most ``PROBE_POINTS`` voxels of it:
+  ``inverse_consistency_mm`` (``max`` and ``p99`` of ``|T^-1(T(x)) - x|``, the inverse computed as regkit inverts)
+  and ``largest_jump_mm``, the largest distance between the images of two points ``probe_mm`` = 0.001 mm apart
+  (about ``0.001 mm`` times the local stretch for a continuous map; a jump across a facet would show in full);
 * ``warnings``: what went wrong, in sentences (a stage's result discarded, a similarity worse than no registration,
   folds, extreme local volume changes); empty when nothing did;
 * ``field_of_view_overlap``: the fraction of the fixed grid that lies inside the moving image's box (identity map);
@@ -68,11 +73,13 @@ def metrics_record(
     }
     similarity = _similarities(result, world, mapped)
     jacobian = _jacobian_metrics(det_fd, det_analytic)
+    invertibility = invertibility_metrics(result, world, mapped)
     return {
         "similarity": similarity,
         **({"labels": labels} if labels is not None else {}),
         "jacobian": jacobian,
-        "warnings": metrics_warnings(result, similarity, jacobian),
+        "invertibility": invertibility,
+        "warnings": metrics_warnings(result, similarity, jacobian, invertibility),
         "field_of_view_overlap": field_of_view_overlap(result.fixed.grid, result.moving.grid),
         "runtime": runtime,
         "peak_memory": peak_memory,
@@ -167,6 +174,48 @@ def measure_peak_memory(result: RegistrationResult) -> dict[str, Any]:
     return {"bytes": int(peak if sys.platform == "darwin" else peak * 1024), "measure": "process_peak_rss"}
 
 
+FOREGROUND = 0.1
+"""Fixed-image foreground for the invertibility checks: rescaled intensity (``rescale_intensities``) above this."""
+PROBE_POINTS = 2**18
+"""At most this many voxels (an even stride through the mask or foreground) carry the invertibility checks."""
+PROBE_MM = 0.001
+"""Distance between the two points of each continuity probe."""
+
+
+def invertibility_metrics(result: RegistrationResult, world: torch.Tensor, mapped: torch.Tensor) -> dict[str, Any]:
+    """``invertibility`` of ``metrics.json`` (module docstring), for fixed voxel centres ``world (*shape, n)`` and their
+    images ``mapped`` (moving world space, LPS mm)."""
+    n = world.shape[-1]
+    if result.fixed_mask is not None:
+        region = result.fixed_mask.data != 0
+    else:
+        region = rescale_intensities(result.fixed.data) > FOREGROUND
+    region = region.to(world.device)
+    if not bool(region.any()):
+        region = torch.ones_like(region)
+    points, images = world[region], mapped[region]
+    stride = -(-points.shape[0] // PROBE_POINTS)
+    points, images = points[::stride], images[::stride]
+    back = result.transform.inverse_world(images)
+    error = (back - points).norm(dim=-1)
+    direction = torch.arange(1, n + 1, dtype=points.dtype, device=points.device)
+    direction = direction / direction.norm()  # one fixed oblique direction
+    jump = (result.transform.transform_world(points + PROBE_MM * direction) - images).norm(dim=-1)
+    return {
+        "points": int(points.shape[0]),
+        "inverse_consistency_mm": {
+            "max": _finite(float(error.max())),
+            "p99": _finite(float(torch.quantile(error.float(), 0.99))),
+        },
+        "probe_mm": PROBE_MM,
+        "largest_jump_mm": _finite(float(jump.max())),
+    }
+
+
+INVERSE_LIMIT_MM = 0.01
+"""An inverse-consistency error or a probe jump beyond this is reported: the scheme computes the exact flow."""
+
+
 def _jacobian_metrics(det_fd: torch.Tensor, det_analytic: torch.Tensor) -> dict[str, Any]:
     interior = min(det_fd.shape) > 4  # Learn2Reg drops 2 voxels on each side
     return {
@@ -181,7 +230,12 @@ VOLUME_CHANGE_LIMITS = (0.1, 10.0)
 """A local volume change (analytic Jacobian determinant) outside this range is reported as extreme."""
 
 
-def metrics_warnings(result: RegistrationResult, similarity: dict[str, dict], jacobian: dict[str, Any]) -> list[str]:
+def metrics_warnings(
+    result: RegistrationResult,
+    similarity: dict[str, dict],
+    jacobian: dict[str, Any],
+    invertibility: dict[str, Any],
+) -> list[str]:
     """The ``warnings`` of ``metrics.json`` (module docstring)."""
     found = list(result.stage_warnings)
     last = _last_similarity(result)
@@ -202,6 +256,15 @@ def metrics_warnings(result: RegistrationResult, similarity: dict[str, dict], ja
     if jacobian["fraction_nonpositive"]:
         found.append(
             f"{jacobian['fraction_nonpositive']:.2g} of the voxels have a non-positive finite-difference Jacobian"
+        )
+    inverse = invertibility["inverse_consistency_mm"]["max"]
+    if inverse is not None and inverse > INVERSE_LIMIT_MM:
+        found.append(f"the inverse transformation maps points back to within {inverse:.3g} mm only")
+    jump = invertibility["largest_jump_mm"]
+    if jump is not None and jump > INVERSE_LIMIT_MM:
+        found.append(
+            f"points {invertibility['probe_mm']:g} mm apart map up to {jump:.3g} mm apart: the map is discontinuous "
+            "or stretches extremely"
         )
     return found
 

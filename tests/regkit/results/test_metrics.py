@@ -31,6 +31,7 @@ def test_metrics_content(registration_case):
         "similarity",
         "labels",
         "jacobian",
+        "invertibility",
         "warnings",
         "field_of_view_overlap",
         "runtime",
@@ -49,6 +50,10 @@ def test_metrics_content(registration_case):
     assert labels["mean_dice_after"] > labels["mean_dice_before"]
     assert set(labels["hd95_after_mm"]) == {"1", "2"}
     assert metrics["jacobian"]["sdlogj"] > 0
+    invertibility = metrics["invertibility"]
+    assert invertibility["points"] > 100 and invertibility["probe_mm"] == 0.001
+    assert invertibility["inverse_consistency_mm"]["max"] < 1e-3  # float32 flows: rounding only
+    assert 0 < invertibility["largest_jump_mm"] < 0.01
     assert [s["kind"] for s in metrics["runtime"]["stages"]] == ["moments", "affine", "cpab"]
     assert metrics["runtime"]["total_seconds"] == result.seconds
     assert metrics["peak_memory"]["bytes"] > 0 and metrics["peak_memory"]["measure"] == "process_peak_rss"
@@ -71,16 +76,22 @@ def test_warnings_name_what_went_wrong(registration_case):
     result = registration_case[0]
     fine = {"fraction_nonpositive": 0.0, "sdlogj": 0.03, "analytic_min": 0.8, "analytic_max": 1.2}
     better = {"ncc": {"before": 0.5, "after": 0.1}}
-    assert metrics_warnings(result, better, fine) == []
+    exact = {"inverse_consistency_mm": {"max": 1e-6, "p99": 1e-7}, "probe_mm": 0.001, "largest_jump_mm": 0.0012}
+    assert metrics_warnings(result, better, fine, exact) == []
     worse = {"ncc": {"before": 0.1, "after": 0.5}}
-    assert metrics_warnings(result, worse, fine) == [
+    assert metrics_warnings(result, worse, fine, exact) == [
         "the registration made the similarity ncc worse than no registration (0.1 -> 0.5)"
     ]
     folds = {**fine, "analytic_min": -0.2, "fraction_nonpositive": 0.01}
-    assert metrics_warnings(result, better, folds) == [
+    assert metrics_warnings(result, better, folds, exact) == [
         "the transformation folds: analytic Jacobian determinant down to -0.2",
         "0.01 of the voxels have a non-positive finite-difference Jacobian",
     ]
     extreme = {**fine, "analytic_min": 0.09, "analytic_max": 12.6}
-    (line,) = metrics_warnings(result, better, extreme)
+    (line,) = metrics_warnings(result, better, extreme, exact)
     assert line.startswith("extreme local volume change: analytic Jacobian determinant in [0.09, 12.6]")
+    broken = {"inverse_consistency_mm": {"max": 2.1, "p99": 0.2}, "probe_mm": 0.001, "largest_jump_mm": 1.03}
+    assert metrics_warnings(result, better, fine, broken) == [
+        "the inverse transformation maps points back to within 2.1 mm only",
+        "points 0.001 mm apart map up to 1.03 mm apart: the map is discontinuous or stretches extremely",
+    ]
