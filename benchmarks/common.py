@@ -149,6 +149,33 @@ def header(device: str, command: str | None = None) -> str:
     )
 
 
+def run_worker(module: str, spec: dict[str, Any], timeout: float, tree: Path | None = None) -> dict[str, Any]:
+    """Run ``benchmarks.MODULE.worker()`` in a fresh Python process with ``spec`` as JSON in ``argv[1]``; return the
+    JSON object it prints last, or ``{"failed": reason}``. ``tree``: a folder holding another ``regkit/`` and
+    ``kernels/`` (an export of another commit), imported in place of this checkout's (the benchmarks stay these)."""
+    import json
+
+    env = os.environ.copy()
+    paths = [] if tree is None else [str(tree), str(tree / "kernels")]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT), str(ROOT / "kernels"), env.get("PYTHONPATH", "")])
+    code = f"from benchmarks.{module} import worker; worker()"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=tree or ROOT,  # "-c" puts the working directory first on sys.path
+        )
+    except subprocess.TimeoutExpired:
+        return {"failed": f"over {timeout:.0f} s"}
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"]
+        return {"failed": lines[-1][:120]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def default_output(command: str, device: str, quick: bool = False) -> Path:
     """``benchmarks/results/COMMAND-MACHINE.md`` (``-quick`` added for smoke runs, which do not replace a table)."""
     return RESULTS / f"{command}-{machine_slug(device)}{'-quick' if quick else ''}.md"

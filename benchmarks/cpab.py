@@ -5,6 +5,8 @@ scheme (``regkit.cpab.integrate``; ``zero`` boundary, float32, checkpoints every
 
 * fused (CUDA only): ``integrate(..., backend="triton")``, the factorized adjoint in Triton kernels
   (``regkit_kernels.cpab``); its first call, which compiles the kernels, is reported apart;
+* compiled (CPU only): ``integrate(..., backend="numba")``, the factorized adjoint compiled for the CPU
+  (``regkit_kernels.numba.cpab``), what registrations on the CPU run;
 * fused, no checkpoints (CUDA only): the same with ``checkpoint_every = steps``: the forward stores no positions and
   the backward recomputes its checkpoints in registers (one more pass of the scheme, memory flat in ``N``);
 * factorized: ``integrate(..., backend="torch")``, whose backward recomputes segments, accumulates per-cell moments
@@ -33,8 +35,6 @@ derivatives) and its time extrapolated from the previous configuration (the part
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -44,20 +44,37 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from benchmarks.common import Device, Results, default_output, device_name, graphed_seconds, mib, render, rss_bytes
+from benchmarks.common import (
+    Device,
+    Results,
+    default_output,
+    device_name,
+    graphed_seconds,
+    mib,
+    render,
+    rss_bytes,
+    run_worker,
+)
 
 if TYPE_CHECKING:
     import torch
 
-METHODS = ("fused", "fused_lean", "factorized", "unrolled", "sensitivity")
+METHODS = ("fused", "fused_lean", "compiled", "factorized", "unrolled", "sensitivity")
 METHOD_TITLES = {
     "fused": "fused (Triton)",
     "fused_lean": "fused, no checkpoints",
+    "compiled": "compiled (numba)",
     "factorized": "factorized (PyTorch)",
     "unrolled": "unrolled autograd",
     "sensitivity": "forward sensitivity",
 }
-_BACKENDS = {"fused": "triton", "fused_lean": "triton", "factorized": "torch", "unrolled": "reference"}
+_BACKENDS = {
+    "fused": "triton",
+    "fused_lean": "triton",
+    "compiled": "numba",
+    "factorized": "torch",
+    "unrolled": "reference",
+}
 _FUSED = ("fused", "fused_lean")
 REGISTRATION_GRID = (160, 192, 224)  # a registration-sized case: one transformation of a dense 3D grid
 
@@ -160,7 +177,7 @@ def _measure(case: Case, budget_s: float) -> dict[str, Any]:
     import torch
 
     from regkit.cpab.basis import cpa_basis
-    from regkit.cpab.integrate import DEFAULT_CHECKPOINT_EVERY, forward_sensitivity_gradient, integrate
+    from regkit.cpab.integrate import DEFAULT_CHECKPOINT_EVERY, integrate
     from regkit.cpab.tessellation import Tessellation
 
     device = torch.device(case.device)
@@ -185,6 +202,8 @@ def _measure(case: Case, budget_s: float) -> dict[str, Any]:
     def run(points: torch.Tensor, weights: torch.Tensor) -> tuple[float, float]:
         t0 = time.perf_counter()
         if case.method == "sensitivity":
+            from regkit.cpab.baselines import forward_sensitivity_gradient
+
             with torch.no_grad():
                 integrate(points, basis.to_A(theta), tess, steps=case.steps)
             sync()
@@ -231,12 +250,23 @@ def _measure(case: Case, budget_s: float) -> dict[str, Any]:
         graphed_s = graphed_seconds(step)
     return {
         "d": basis.d,
+        "crossings": _crossings_per_point(points, basis.to_A(theta), tess, case.steps),
         "forward_s": min(t[0] for t in timings),
         "gradient_s": min(t[1] for t in timings),
         "graphed_s": graphed_s,
         "peak_bytes": peak,
         "first_s": first_s,
     }
+
+
+def _crossings_per_point(points: torch.Tensor, A: torch.Tensor, tess: Any, steps: int) -> float | None:
+    """Facets crossed per point and transformation (None for a tree whose scheme does not follow crossings)."""
+    try:
+        from regkit.cpab import count_crossings
+    except ImportError:
+        return None
+    sample = points[:20_000]
+    return count_crossings(sample, A, tess, steps=steps) / (A.shape[0] * sample.shape[0])
 
 
 def worker() -> None:
@@ -249,24 +279,17 @@ def worker() -> None:
     print(json.dumps(result))
 
 
-def _run_case(case: Case, plan: Plan) -> dict[str, Any]:
-    if not plan.isolate:
+def _run_case(case: Case, plan: Plan, tree: Path | None = None) -> dict[str, Any]:
+    """Measure ``case`` in this process, or in a fresh one (``plan.isolate``, or another ``tree``)."""
+    if not plan.isolate and tree is None:
         return _measure(case, plan.budget_s)
     import torch
 
-    code = "from benchmarks.cpab import worker; worker()"
-    spec = json.dumps({"case": asdict(case), "budget_s": plan.budget_s, "threads": torch.get_num_threads()})
-    timeout = 60.0 + (_MAX_RUNS + 1) * plan.time_cap_s
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", code, spec], capture_output=True, text=True, timeout=timeout, env=os.environ.copy()
-        )
-    except subprocess.TimeoutExpired:
-        return {"skipped": "skipped (cap)"}
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-        return {"skipped": f"failed: {last[:60]}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    spec = {"case": asdict(case), "budget_s": plan.budget_s, "threads": torch.get_num_threads()}
+    result = run_worker("cpab", spec, 60.0 + (_MAX_RUNS + 1) * plan.time_cap_s, tree)
+    if "failed" in result:
+        return {"skipped": "skipped (cap)" if result["failed"].startswith("over ") else result["failed"][:60]}
+    return result
 
 
 # ---- caps ----------------------------------------------------------------------------------------------------------
@@ -341,6 +364,34 @@ def _cells(result: dict[str, Any], case: Case) -> list[str]:
     ]
 
 
+def _scheme_table(plan: Plan, device: str, baseline: Path, console: Any) -> str:
+    """This tree's scheme against ``baseline``'s with the backend registrations run (fused on CUDA, compiled on the
+    CPU), forward + backward, each case in a fresh process per tree; returns the markdown table."""
+    method = "fused" if device == "cuda" else "compiled"
+    if device == "cuda":
+        cases = [(2, 30, 16, 125_000, False), (3, 8, 8, 125_000, False), (3, 16, 1, 0, True)]
+    else:
+        cases = [(2, 30, 4, 20_000, False), (3, 8, 2, 20_000, False)]
+    rows = []
+    for ndim, cells, batch, points, grid in cases:
+        for steps in (plan.steps, 5):
+            case = Case(ndim, cells, batch, points, steps, method, device, grid=grid)
+            mine, theirs = _run_case(case, plan, None), _run_case(case, plan, baseline)
+            size = f"grid {'x'.join(map(str, REGISTRATION_GRID))}" if grid else f"B {batch}, {points:,} points"
+            row = [f"{ndim}D {cells}^{ndim}", size, str(steps)]
+            if "skipped" in mine or "skipped" in theirs:
+                row += [mine.get("skipped", ""), theirs.get("skipped", ""), "", ""]
+            else:
+                total, old = (r["forward_s"] + r["gradient_s"] for r in (mine, theirs))
+                row += [f"{mine['crossings']:.2f}", _ms(total), _ms(old), f"{total / old:.2f}"]
+            rows.append(row)
+            console.print("  " + "  ".join(rows[-1]).rstrip(), style="dim")
+    header = ["tessellation", "points", "T", "crossings / point", "this ms", "baseline ms", "this / baseline"]
+    table, md = render(f"{METHOD_TITLES[method]}: this tree's scheme against the baseline tree's", header, rows)
+    console.print(table)
+    return md
+
+
 def cpab(
     device: Annotated[Device, typer.Option("--device", help="Where to run: cpu or cuda.")] = Device.cpu,
     quick: Annotated[bool, typer.Option("--quick", help="Tiny sizes, in-process: a smoke test in seconds.")] = False,
@@ -357,6 +408,14 @@ def cpab(
     methods: Annotated[
         str | None,
         typer.Option("--methods", help=f"Comma-separated subset of {', '.join(METHODS)} (default: all that can run)."),
+    ] = None,
+    baseline: Annotated[
+        Path | None,
+        typer.Option(
+            "--baseline",
+            help="A folder holding another tree's regkit/ and kernels/ (an export of an earlier commit): its scheme is "
+            "timed beside this one's on the issue's sizes.",
+        ),
     ] = None,
 ) -> None:
     """Time forward and gradient passes and peak memory of CPAB integration: the factorized adjoint beside
@@ -393,7 +452,11 @@ def cpab(
         "scheme steps per second of the forward column. The fused methods run on CUDA only; 'fused, no checkpoints' "
         "stores none (checkpoint_every = T)."
     )
-    runnable = [m for m in METHODS if m in chosen and (m not in _FUSED or device is Device.cuda)]
+    runnable = [
+        m
+        for m in METHODS
+        if m in chosen and (m not in _FUSED or device is Device.cuda) and (m != "compiled" or device is Device.cpu)
+    ]
     if not runnable:
         raise typer.BadParameter(f"none of {', '.join(chosen)} runs on {device.value}", param_hint="--methods")
     console.print(settings)
@@ -450,6 +513,10 @@ def cpab(
         title = f"gradient against forward sensitivity: 2D {cells}x{cells}, batch {batch}, {points:,} points"
         table, md = render(title, ["method", *header[3:], "sensitivity / this, time", "memory"], rows)
         console.print(table)
+        report.add(md)
+
+    if baseline is not None:
+        md = _scheme_table(plan, device.value, baseline, console)
         report.add(md)
 
     batch, _, _ = plan.sizes[2]

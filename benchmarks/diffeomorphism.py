@@ -23,8 +23,6 @@ Foreground: fixed intensities above 10 % of their robust range (``regkit.intensi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +30,7 @@ from typing import Annotated, Any
 
 import typer
 
-from benchmarks.common import ROOT, Device, Results, default_output, device_name, render
+from benchmarks.common import ROOT, Device, Results, default_output, device_name, render, run_worker
 
 PAIRS = ("2d", "2mm", "1mm")
 _SETS = {"2d": "mni2d", "2mm": "2mm", "1mm": "1mm"}
@@ -164,27 +162,9 @@ def worker() -> None:
 def _run_case(pair: str, config: str, device: str, mni_data: Path | None, tree: Path | None) -> dict[str, Any]:
     import torch
 
-    env = os.environ.copy()
-    paths = [] if tree is None else [str(tree), str(tree / "kernels")]
-    env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT), str(ROOT / "kernels"), env.get("PYTHONPATH", "")])
     folder = None if mni_data is None else str(mni_data.resolve())
     spec = {"pair": pair, "config": config, "device": device, "mni_data": folder, "threads": torch.get_num_threads()}
-    code = "from benchmarks.diffeomorphism import worker; worker()"
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", code, json.dumps(spec)],
-            capture_output=True,
-            text=True,
-            timeout=_TIMEOUT_S,
-            env=env,
-            cwd=tree or ROOT,  # "-c" puts the working directory first on sys.path
-        )
-    except subprocess.TimeoutExpired:
-        return {"failed": f"over {_TIMEOUT_S:.0f} s"}
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"]
-        return {"failed": lines[-1][:120]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker("diffeomorphism", spec, _TIMEOUT_S, tree)
 
 
 def _configs(pair: str, chosen: str | None) -> list[str]:

@@ -18,8 +18,6 @@ voxels where the analytic Jacobian determinant is not positive.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +25,17 @@ from typing import Annotated, Any
 
 import typer
 
-from benchmarks.common import Device, Results, default_output, device_name, mib, mni152_file, render, rss_bytes
+from benchmarks.common import (
+    Device,
+    Results,
+    default_output,
+    device_name,
+    mib,
+    mni152_file,
+    render,
+    rss_bytes,
+    run_worker,
+)
 
 SIZES = ("2mm", "1mm")
 _SHAPES = {"2mm": "99x117x95", "1mm": "197x233x189"}
@@ -102,25 +110,9 @@ def worker() -> None:
 def _run_case(size: str, device: str, config: str, mni_data: Path | None) -> dict[str, Any]:
     import torch
 
-    code = "from benchmarks.registration import worker; worker()"
     folder = None if mni_data is None else str(mni_data.resolve())
-    spec = json.dumps(
-        {"size": size, "device": device, "config": config, "mni_data": folder, "threads": torch.get_num_threads()}
-    )
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", code, spec],
-            capture_output=True,
-            text=True,
-            timeout=_TIMEOUT_S,
-            env=os.environ.copy(),
-        )
-    except subprocess.TimeoutExpired:
-        return {"failed": f"over {_TIMEOUT_S:.0f} s"}
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"]
-        return {"failed": lines[-1][:120]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    spec = {"size": size, "device": device, "config": config, "mni_data": folder, "threads": torch.get_num_threads()}
+    return run_worker("registration", spec, _TIMEOUT_S)
 
 
 def _sizes(value: str) -> list[str]:
