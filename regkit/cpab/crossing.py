@@ -141,10 +141,14 @@ def piece_vjp(
     w = [torch.ones_like(tau)]
     for k in range(1, K + 1):
         w.append(w[-1] * tau / k)
-    grad_x = sum(w[k].unsqueeze(-1) * alpha[k] for k in range(K + 1))
+    grad_x = alpha[0].clone()
+    for k in range(1, K + 1):
+        grad_x = grad_x + w[k].unsqueeze(-1) * alpha[k]
     grad_A = torch.zeros_like(A)
     for j in range(K):
-        c = sum(w[i + j + 1].unsqueeze(-1) * b[i] for i in range(K - j))
+        c = w[j + 1].unsqueeze(-1) * b[0]
+        for i in range(1, K - j):
+            c = c + w[i + j + 1].unsqueeze(-1) * b[i]
         grad_A = grad_A + alpha[j].unsqueeze(-1) * c.unsqueeze(-2)
     return grad_x, grad_A
 
