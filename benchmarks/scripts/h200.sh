@@ -8,44 +8,55 @@
 #    fills .h200/ (git-ignored through .git/info/exclude): wheels/ (regkit's and the benchmarks' packages missing on
 #    the device, 60 MB, SimpleITK 53 of them), dask/ (dask.distributed for `batch`, 4 MB), fireants/ (FireANTs for
 #    `accuracy`, 0.2 MB), data/ (nilearn's MNI152 1 mm T1, the features training's label map, the two ITK example
-#    slices: 2 MB) and wheels/COMMIT (the tree's commit, for the tables' headers: the device's copy has no git).
+#    slices: 2 MB), baseline/ (regkit, kernels and configs of commit $BASELINE, which cpab and diffeomorphism time
+#    beside this tree: 2 MB) and wheels/COMMIT (the tree's commit, for the tables' headers: the device's copy has no
+#    git).
 #    Wheels already there are kept; the versions are the dev venv's.
 # 2. On the device, `bash benchmarks/scripts/h200.sh run [COMMAND ...]` runs the commands named (default: all, in
 #    this order) and writes their tables to $OUT (default benchmarks/results/) with the console output in
 #    $OUT/h200-COMMANDS.log. A call carries at most 64 MiB (the tree is ~3 MB) and runs at most 600 s, so three calls
 #    (`run`, timeout_s 600, each with the carry named):
-#        run cpab wtconv registration   carry [".h200/wheels", ".h200/data"]                      limits 200+240+120 s
+#        run cpab wtconv registration   carry [".h200/wheels", ".h200/data", ".h200/baseline"]    limits 320+240+120 s
 #        run batch                      carry [".h200/wheels", ".h200/dask"]                      limit 200 s
 #        run features accuracy          carry [".h200/wheels", ".h200/fireants", ".h200/data"]   limits 200+240 s
-#    ~20 minutes of limits in all, ~15 expected. A command that would end past BUDGET_S (default 590) seconds after
+#        run diffeomorphism             carry [".h200/wheels", ".h200/baseline"]                  limit 480 s
+#        run diffeomorphism-1mm         carry [".h200/wheels", ".h200/data", ".h200/baseline"]    limit 240 s
+#    ~32 minutes of limits in all, more than one session's device time: run what changed. A command that would end past BUDGET_S (default 590) seconds after
 #    the call's start is skipped; one stopped at its limit leaves the tables it had written (each command rewrites its
 #    file after every table). Then copy $OUT/*-h200.md into benchmarks/results/.
 #
 # The commands (sizes chosen to fit the limits; each table's header shows its command line):
-#   cpab          every method but forward sensitivity, which runs in the head-to-head table only
+#   cpab          every method but forward sensitivity, which runs in the head-to-head table only; the scheme
+#                 beside the baseline tree's
 #   wtconv        all shapes; first-use compiles 4 configurations at a time (upper bounds)
 #   registration  the 2 mm demo pair and the 1 mm pair
 #   batch         4 pairs of 112^3 voxels: local, dask with 1 and 2 workers
 #   features      one case per pair kind: 2D endpoint errors, 3D Dice, training throughput
+#   diffeomorphism  jumps, inverse consistency, folds on a 2x grid, time of every preset on the 2D and 2 mm pairs,
+#                 this tree beside the baseline tree (diffeomorphism-1mm: the 1 mm pair)
 #   accuracy      regkit (lncc, mi) and FireANTs on the 1 mm and 2 mm pairs, one deformation each; ANTs, elastix and
 #                 SimpleITK are CPU tools (accuracy-cpu.md) and show as "not installed" here
 set -euo pipefail
 mode=${1:-}
 shift || true
-COMMANDS=(cpab wtconv registration batch features accuracy)
+COMMANDS=(cpab wtconv registration batch features accuracy diffeomorphism diffeomorphism-1mm)
 H200=${H200:-.h200}
 
 limit_of() {
     case "$1" in
-    cpab | batch | features) echo 200 ;;
-    wtconv | accuracy) echo 240 ;;
+    batch | features) echo 200 ;;
+    wtconv | accuracy | diffeomorphism-1mm) echo 240 ;;
+    cpab) echo 320 ;;
+    diffeomorphism) echo 480 ;;
     registration) echo 120 ;;
     esac
 }
 
 args_of() { # the command's options (the output file aside)
     case "$1" in
-    cpab) echo "cpab --device cuda --methods fused,fused_lean,factorized,unrolled" ;;
+    cpab) echo "cpab --device cuda --methods fused,fused_lean,factorized,unrolled --baseline $H200/baseline" ;;
+    diffeomorphism) echo "diffeomorphism --device cuda --pairs 2d,2mm --baseline $H200/baseline" ;;
+    diffeomorphism-1mm) echo "diffeomorphism --device cuda --pairs 1mm --baseline $H200/baseline --mni-data $H200/data" ;;
     wtconv) echo "wtconv --first-use-jobs 4" ;;
     registration) echo "registration --device cuda --sizes 2mm,1mm --mni-data $H200/data" ;;
     batch) echo "batch --device cuda --pairs 4 --size 112 --workers 1,2" ;;
@@ -65,12 +76,16 @@ missing_for() { # what a command cannot run without and the device lacks: module
     "$PYTHON" -c 'import importlib.util, sys
 print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' $modules
     case "$1" in
-    registration | features | accuracy) [ -d "$H200/data" ] || echo "$H200/data" ;;
+    registration | features | accuracy | diffeomorphism-1mm) [ -d "$H200/data" ] || echo "$H200/data" ;;
+    esac
+    case "$1" in
+    cpab | diffeomorphism*) [ -d "$H200/baseline" ] || echo "$H200/baseline" ;;
     esac
 }
 
 prepare() {
     PYTHON=${PYTHON:-.venv/bin/python}
+    BASELINE=${BASELINE:-7a0e661} # the tree cpab and diffeomorphism time beside this one (the unresolved scheme)
     mkdir -p .git/info "$H200"/{wheels,dask,fireants,data}
     grep -qx "/$H200/" .git/info/exclude 2>/dev/null || echo "/$H200/" >>.git/info/exclude
     pins() { "$PYTHON" -c 'import sys; from importlib.metadata import version as v
@@ -104,12 +119,15 @@ for name in ("BrainT1Slice.png", "BrainProtonDensitySlice.png"):
 if not (data / "brain_labels.nii.gz").is_file():
     write_image(brain_labels(), data / "brain_labels.nii.gz")
 EOF
+    rm -rf "$H200/baseline" && mkdir -p "$H200/baseline"
+    git archive "$BASELINE" regkit kernels configs | tar -x -C "$H200/baseline"
+    echo "$BASELINE" >"$H200/baseline/COMMIT"
     "$PYTHON" -c "from benchmarks.common import tree_commit; print(tree_commit())" >"$H200/wheels/COMMIT"
     echo "tree: $(cat "$H200/wheels/COMMIT")"
     tree=$(git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
     size() { du -scb "$@" | tail -1 | cut -f1; }
     echo "carry per call (limit 67108864 bytes): tree $tree +"
-    echo "  cpab wtconv registration: $((tree + $(size "$H200/wheels" "$H200/data")))"
+    echo "  cpab wtconv registration: $((tree + $(size "$H200/wheels" "$H200/data" "$H200/baseline")))"
     echo "  batch:                    $((tree + $(size "$H200/wheels" "$H200/dask")))"
     echo "  features accuracy:        $((tree + $(size "$H200/wheels" "$H200/fireants" "$H200/data")))"
     echo "(a call over the limit is refused: leave untracked files out of the tree, or split the commands further)"
