@@ -58,6 +58,9 @@ def _num(value: float | None, spec: str) -> str:
 def summary_lines(out: Path, metrics: dict) -> list[str]:
     """The key metrics of ``metrics.json`` as short lines for the terminal."""
     lines = [f"outputs: {out}"]
+    for index, stage in enumerate(metrics["runtime"]["stages"]):
+        if stage.get("note"):
+            lines.append(f"stage {index} ({stage['kind']}): {stage['note']}")
     for name, values in metrics["similarity"].items():
         before, after = _num(values["before"], ".4g"), _num(values["after"], ".4g")
         lines.append(f"similarity {name} (loss, lower is better): {before} -> {after}")

@@ -243,6 +243,19 @@ class CpabStage(_OptimizedStage):
         ge=1,
         description="Number of CPAB transformations composed, each with its own parameters (large motions).",
     )
+    multimodal: AnySimilarity | None = Field(
+        default=None,
+        description="The similarity used instead of `similarity` when the pair is found multi-modal: when, after "
+        "the earlier stages, the fixed intensities explain the moving ones' less linearly than `modality_threshold` "
+        "(r^2 / eta^2, the squared correlation over the correlation ratio). None: always `similarity`.",
+    )
+    modality_threshold: float = Field(
+        default=0.7,
+        gt=0,
+        lt=1,
+        description="With `multimodal`: the r^2 / eta^2 of the pair's intensities below which it counts as multi-modal "
+        "(1: a linear relation, one contrast up to gain and offset).",
+    )
 
     @model_validator(mode="after")
     def _schedule(self) -> CpabStage:

@@ -49,11 +49,17 @@ class StageReport:
     levels: list[LevelReport] = field(default_factory=list)
     seconds: float = 0.0
     warning: str | None = None  # what went wrong and what was done about it (the stage's result discarded, say)
+    similarity: str | None = None  # the similarity the stage optimized (None for moments)
+    note: str | None = None  # a choice the stage made and why (the similarity of a multi-modal pair, say)
 
     def to_dict(self) -> dict[str, Any]:
         """The stage as ``metrics.json`` records it (module docstring)."""
-        record = {"kind": self.kind, "levels": [level.to_dict() for level in self.levels], "seconds": self.seconds}
-        return record if self.warning is None else {**record, "warning": self.warning}
+        record: dict[str, Any] = {"kind": self.kind, "levels": [level.to_dict() for level in self.levels]}
+        record["seconds"] = self.seconds
+        for key in ("similarity", "note", "warning"):
+            if getattr(self, key) is not None:
+                record[key] = getattr(self, key)
+        return record
 
 
 @dataclass

@@ -3,9 +3,11 @@
 * ``rigid`` / ``affine``: ``M <- M @ P`` with ``P`` a centred rigid / affine map optimized over the pyramid;
 * ``cpab``: a CPAB flow on the fixed grid's box (``CPAB.for_grid``), optimized over the pyramid with the tessellation
   schedule (a stage that ends with a worse similarity at full resolution than it started with is discarded, with a
-  warning in its report); the solution at one level is carried to the next level's finer tessellation by interpolating
-  its velocity at the new vertices (exact when the tessellations nest, e.g. 4 -> 8). ``chain = K`` runs the schedule K
-  times, each time composing a new flow after the earlier ones. CPAB parameters are optimized in the prior's whitened
+  warning in its report; with ``multimodal`` set, the stage first measures how linearly the pair's intensities relate
+  after the earlier stages, :mod:`regkit.registration.modality`, and uses ``multimodal`` for a multi-modal pair);
+  the solution at one level is carried to the next level's finer tessellation by interpolating its velocity at the new
+  vertices (exact when the tessellations nest, e.g. 4 -> 8). ``chain = K`` runs the schedule K times, each time
+  composing a new flow after the earlier ones. CPAB parameters are optimized in the prior's whitened
   coordinates: ``theta = theta_0 + L z`` with ``Sigma_theta = L L^T`` and ``theta_0`` the level's starting field (the
   coarser level's solution), a ``torch.nn.utils.parametrize`` of ``theta`` (:class:`Unwhiten`); ``z`` starts at zero on
   every level. The prior is :class:`~regkit.cpab.prior.VertexPrior` (a squared-exponential process on the vertex
@@ -33,9 +35,11 @@ from regkit.cpab.module import CPAB
 from regkit.cpab.prior import CPABPrior, VertexPrior
 from regkit.errors import RegkitError
 from regkit.registration.levels import Level, RunContext, loss_on_level, optimize_level
+from regkit.registration.modality import mapped_linearity
 from regkit.registration.result import StageReport
 from regkit.similarity import build_similarity
 from regkit.similarity.base import Similarity
+from regkit.similarity.options import SimilarityOptions
 from regkit.spatial.affine import AffineTransform, RigidTransform, grid_centre
 from regkit.spatial.grid import Grid
 
@@ -65,7 +69,7 @@ def run_linear(
     model = model_cls(grid_centre(grid), radius=float(extent.max() / 2), initial=matrix, dtype=ctx.dtype)
     model = model.to(ctx.device)
     similarity = build_similarity(stage.similarity.name, **stage.similarity.model_dump(exclude={"name"}))
-    report = StageReport(stage.type)
+    report = StageReport(stage.type, similarity=stage.similarity.name)
     start = time.perf_counter()
     levels = ctx.levels(stage)
     for li, level in enumerate(levels):
@@ -158,11 +162,12 @@ def run_cpab(
 ) -> tuple[list[CPAB], StageReport]:
     """Optimize a CPAB stage (``index`` in the configuration; ``chain`` flows) after the homogeneous ``matrix`` and
     the earlier ``flows``; returns the new flows and the stage report."""
-    similarity = build_similarity(stage.similarity.name, **stage.similarity.model_dump(exclude={"name"}))
     m = torch.as_tensor(matrix, dtype=ctx.dtype, device=ctx.device)
     report = StageReport(stage.type)
     start = time.perf_counter()
     levels = ctx.levels(stage)
+    options = _chosen_similarity(stage, levels[-1], m, flows, report)
+    similarity = build_similarity(options.name, **options.model_dump(exclude={"name"}))
     schedule = [_supported_cells(cells, ctx.fixed.grid) for cells in stage.level_cells(ctx.fixed.ndim)]
     new_flows: list[CPAB] = []
     for _ in range(stage.chain):
@@ -210,6 +215,35 @@ def run_cpab(
         )
         return [], report
     return new_flows, report
+
+
+def _chosen_similarity(
+    stage: CpabStage, level: Level, matrix: torch.Tensor, flows: list[CPAB], report: StageReport
+) -> SimilarityOptions:
+    """The stage's ``similarity``, or its ``multimodal`` one when the pair's intensities, mapped through ``matrix``
+    after ``flows`` on ``level``, relate less linearly than ``modality_threshold``
+    (:func:`~regkit.registration.modality.mapped_linearity`); the choice and its reason go into ``report.note``."""
+    report.similarity = stage.similarity.name
+    if stage.multimodal is None:
+        return stage.similarity
+    with torch.no_grad():
+        points = level.fixed_world
+        for flow in flows:
+            points = flow.transform_world(points)
+        score = mapped_linearity(level.fixed[0, 0], level.moving[0], level.moving_grid, _linear_points(matrix, points))
+    threshold = stage.modality_threshold
+    if score < threshold:
+        report.similarity = stage.multimodal.name
+        report.note = (
+            f"multi-modal pair detected: r^2/eta^2 = {score:.2f} after the earlier stages (below {threshold:g}); "
+            f"the stage uses {stage.multimodal.name} instead of {stage.similarity.name}"
+        )
+        return stage.multimodal
+    report.note = (
+        f"same-contrast pair: r^2/eta^2 = {score:.2f} after the earlier stages (at least {threshold:g}); the stage "
+        f"uses {stage.similarity.name}"
+    )
+    return stage.similarity
 
 
 def _finest_similarity(level: Level, similarity: Similarity, matrix: torch.Tensor, flows: list[CPAB]) -> float:

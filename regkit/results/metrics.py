@@ -114,10 +114,15 @@ def _finite(value: float) -> float | None:
 
 
 def _last_similarity(result: RegistrationResult) -> Any:
-    """The similarity options of the configuration's last optimized stage (None with no such stage): the measure the
-    registration is judged by."""
-    optimized = [stage for stage in result.config.stages if hasattr(stage, "similarity")]
-    return optimized[-1].similarity if optimized else None
+    """The similarity options the last optimized stage used (None with no such stage): the measure the registration
+    is judged by (a CPAB stage's ``multimodal`` one where it chose that)."""
+    chosen = None
+    for stage, report in zip(result.config.stages, result.stages, strict=True):
+        if hasattr(stage, "similarity"):
+            multimodal = getattr(stage, "multimodal", None)
+            used_multimodal = multimodal is not None and report.similarity == multimodal.name
+            chosen = multimodal if used_multimodal else stage.similarity
+    return chosen
 
 
 def _similarities(result: RegistrationResult, world: torch.Tensor, mapped: torch.Tensor) -> dict[str, dict]:

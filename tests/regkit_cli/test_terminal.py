@@ -32,3 +32,10 @@ def test_the_guarantees_are_printed():
     lines = summary_lines(Path("out"), _metrics([]))
     expected = "inverse consistency: max 2.5e-05 mm, p99 8e-06 mm; points 0.001 mm apart map at most 0.0013 mm apart"
     assert expected in lines
+
+
+def test_stage_notes_follow_the_outputs_line():
+    metrics = _metrics([])
+    note = "multi-modal pair detected: r^2/eta^2 = 0.31 after the earlier stages (below 0.7); the stage uses mi"
+    metrics["runtime"]["stages"] = [{"kind": "affine", "seconds": 1.0}, {"kind": "cpab", "seconds": 1.0, "note": note}]
+    assert summary_lines(Path("out"), metrics)[1] == f"stage 1 (cpab): {note}"
