@@ -169,13 +169,14 @@ def _run_case(pair: str, config: str, device: str, mni_data: Path | None, tree: 
 
 def _configs(pair: str, chosen: str | None) -> list[str]:
     """The configurations run on ``pair``: the given ones, or every shipped preset and accuracy configuration of the
-    pair's dimension."""
+    pair's dimension, as files of this checkout."""
     from regkit.config import list_presets
 
     if chosen:
         return [c.strip() for c in chosen.split(",") if c.strip()]
     ndim = 2 if pair == "2d" else 3
-    shipped = [name for name in list_presets() if name.endswith("-2d") == (ndim == 2)]
+    presets = ROOT / "configs" / "presets"  # by path: a baseline tree runs this tree's presets, not its own
+    shipped = [str(presets / f"{name}.yaml") for name in list_presets() if name.endswith("-2d") == (ndim == 2)]
     accuracy = [str(path) for path in sorted(_ACCURACY.glob(f"accuracy-{ndim}d-*.yaml"))]
     return shipped + accuracy
 
