@@ -62,8 +62,8 @@ def cpab_line(grid: Grid, cells: int) -> str:
         return line
     points = flow.world_to_domain(grid.world_points()).reshape(1, -1, 3).contiguous()
     grad = torch.randn_like(points)
-    forward = best_ms(lambda: cpab_numba.integrate_forward(points, E, flow.tess, 2))
-    backward = best_ms(lambda: cpab_numba.integrate_backward(points, E, flow.tess, 2, grad, True))
+    forward = best_ms(lambda: cpab_numba.integrate_forward(points, A, E, flow.tess, 0.5, 2))
+    backward = best_ms(lambda: cpab_numba.integrate_backward(points, A, E, flow.tess, 0.5, 2, grad, True))
     return line + f"; integration forward {forward:.1f} ms, backward {backward:.1f} ms"
 
 
