@@ -172,8 +172,9 @@ def _configs(pair: str, chosen: str | None) -> list[str]:
     pair's dimension, as files of this checkout."""
     from regkit.config import list_presets
 
-    if chosen:
-        return [c.strip() for c in chosen.split(",") if c.strip()]
+    if chosen:  # files as absolute paths: a baseline tree runs in its own folder
+        names = [c.strip() for c in chosen.split(",") if c.strip()]
+        return [str(Path(c).resolve()) if c.endswith((".yaml", ".yml")) else c for c in names]
     ndim = 2 if pair == "2d" else 3
     presets = ROOT / "configs" / "presets"  # by path: a baseline tree runs this tree's presets, not its own
     shipped = [str(presets / f"{name}.yaml") for name in list_presets() if name.endswith("-2d") == (ndim == 2)]
