@@ -170,12 +170,13 @@ def _run_case(pair: str, config: str, device: str, mni_data: Path | None, tree: 
 def _configs(pair: str, chosen: str | None) -> list[str]:
     """The configurations run on ``pair``: the given ones, or every shipped preset and accuracy configuration of the
     pair's dimension, as files of this checkout."""
-    from regkit.config import list_presets
+    from regkit.config import list_presets, load_config
 
-    if chosen:  # files as absolute paths: a baseline tree runs in its own folder
-        names = [c.strip() for c in chosen.split(",") if c.strip()]
-        return [str(Path(c).resolve()) if c.endswith((".yaml", ".yml")) else c for c in names]
     ndim = 2 if pair == "2d" else 3
+    if chosen:  # files as absolute paths (a baseline tree runs in its own folder), those of the pair's dimension
+        names = [c.strip() for c in chosen.split(",") if c.strip()]
+        paths = [str(Path(c).resolve()) if c.endswith((".yaml", ".yml")) else c for c in names]
+        return [c for c in paths if load_config(c).dim == ndim]
     presets = ROOT / "configs" / "presets"  # by path: a baseline tree runs this tree's presets, not its own
     shipped = [str(presets / f"{name}.yaml") for name in list_presets() if name.endswith("-2d") == (ndim == 2)]
     accuracy = [str(path) for path in sorted(_ACCURACY.glob(f"accuracy-{ndim}d-*.yaml"))]
