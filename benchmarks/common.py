@@ -156,6 +156,7 @@ def run_worker(module: str, spec: dict[str, Any], timeout: float, tree: Path | N
     import json
 
     env = os.environ.copy()
+    tree = None if tree is None else tree.resolve()  # it becomes the working directory
     paths = [] if tree is None else [str(tree), str(tree / "kernels")]
     env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT), str(ROOT / "kernels"), env.get("PYTHONPATH", "")])
     code = f"from benchmarks.{module} import worker; worker()"

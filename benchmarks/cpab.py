@@ -417,6 +417,9 @@ def cpab(
             "timed beside this one's on the issue's sizes.",
         ),
     ] = None,
+    only_scheme: Annotated[
+        bool, typer.Option("--only-scheme", help="With --baseline: only the table of the two trees' schemes.")
+    ] = False,
 ) -> None:
     """Time forward and gradient passes and peak memory of CPAB integration: the factorized adjoint beside
     unrolled autograd and forward sensitivities, over 2D and 3D tessellations, plus a sweep over points and steps."""
@@ -466,6 +469,12 @@ def cpab(
     header = ["tessellation", "d", "method", "forward ms", "gradient ms", "total ms", "graphed ms", "peak MiB"]
     header.append("G pt-steps/s")
     header.append("first s")
+    if only_scheme:
+        if baseline is None:
+            raise typer.BadParameter("needs --baseline", param_hint="--only-scheme")
+        report.add(_scheme_table(plan, device.value, baseline, console))
+        console.print(f"wrote {output}")
+        return
     for ndim, (batch, points, cell_counts) in plan.sizes.items():
         rows = []
         for cells in cell_counts:
