@@ -71,8 +71,9 @@ def _compile(spec: tuple[int, bool, int, bool, bool]) -> str:
     points = torch.rand(64, ndim, device=DEVICE).expand(2, -1, -1)
     order = fused_ops.point_order(points, tess) if sort else None
     E = fused_step_matrices(A, 0.02)
-    out, checkpoints = cpab_fwd(points, E, tess, STEPS, every, order)
-    _, grad_E = cpab_bwd(points, checkpoints, torch.randn_like(out), E, tess, STEPS, every, True, point_grad, order)
+    out, checkpoints = cpab_fwd(points, A, E, tess, 0.02, STEPS, every, order)
+    grad_out = torch.randn_like(out)
+    _, grad_E, _ = cpab_bwd(points, checkpoints, grad_out, A, E, tess, 0.02, STEPS, every, True, point_grad, order)
     fused_step_matrices_vjp(A, 0.02, grad_E)
     if divide and every == 5:  # the float64 step-matrix kernels, for accuracy()
         fused_step_matrices_vjp(A.double(), 0.02, fused_step_matrices(A.double(), 0.02))
@@ -140,11 +141,11 @@ def timings(shape: tuple[int, ...], batch: int, points: int = 125_000) -> None:
     print(f"  sorting the points by cell: {sort:.3f} ms" if order is not None else "  points not sorted")
     for kernel_order in (None, order) if order is not None else (None,):
         for every in (5, STEPS):
-            _, checkpoints = cpab_fwd(batched, E, tess, STEPS, every, kernel_order)
-            fwd = ms(lambda every=every, o=kernel_order: cpab_fwd(batched, E, tess, STEPS, every, o))
+            _, checkpoints = cpab_fwd(batched, A, E, tess, h, STEPS, every, kernel_order)
+            fwd = ms(lambda every=every, o=kernel_order: cpab_fwd(batched, A, E, tess, h, STEPS, every, o))
             bwd = ms(
                 lambda c=checkpoints, every=every, o=kernel_order: cpab_bwd(
-                    batched, c, w, E, tess, STEPS, every, True, False, o
+                    batched, c, w, A, E, tess, h, STEPS, every, True, False, o
                 )
             )
             print(

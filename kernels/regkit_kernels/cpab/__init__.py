@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the CPAB expm-step scheme (2D and 3D), forward and the factorized adjoint.
+"""Fused Triton kernels for the CPAB facet-resolved expm-step scheme (2D and 3D), forward and the factorized adjoint.
 
 Ladder: ``cpab_fwd_kernel`` / ``cpab_bwd_kernel`` (``kernels.py``) -> launchers ``cpab_fwd`` / ``cpab_bwd`` ->
 ``CPABIntegrateTriton`` (with ``expm.step_matrices`` / ``step_matrices_vjp`` for ``E`` and ``dL/dA``) ->

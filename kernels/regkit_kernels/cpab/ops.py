@@ -1,10 +1,12 @@
 """Fused CPAB integration: launchers, the autograd Function and the functional entry point.
 
-The launchers work on the step-matrix table ``E (B, C, n, n + 1)``; the Function takes the cells' affine velocities
-``A`` as ``regkit.cpab.integrate.CPABIntegrate`` does, computes ``E`` and pulls ``dL/dE`` (the per-cell moments written
-by the backward kernel) back to ``dL/dA`` with the kernels of ``expm.py``.
-``tess`` is any object with ``shape`` (per-axis box counts, x first), ``lower`` and ``upper`` (``regkit``'s
-``Tessellation``); the cell numbering is that of ``Tessellation.locate``.
+The scheme is the facet-resolved expm-step scheme of ``regkit.cpab.scheme`` (domain coordinates, (x, y[, z]) order).
+The launchers work on the cells' affine velocities ``A (B, C, n, n + 1)`` and their step-matrix table
+``E (B, C, n, n + 1)`` for the step ``h``; the Function takes ``A`` as ``regkit.cpab.integrate.CPABIntegrate`` does,
+computes ``E``, and turns the backward kernel's two tables into ``dL/dA``: the regular steps' per-cell moments
+``dL/dE``, pulled back with the kernels of ``expm.py``, plus the pieces' ``dL/dA``, added as they are.
+``tess`` is any object with ``shape`` (per-axis box counts, x first), ``lower``, ``upper`` and ``facet_planes()``
+(``regkit``'s ``Tessellation``, the :class:`Box` protocol); the cell numbering is that of ``Tessellation.locate``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import triton
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from regkit_kernels.cpab.expm import padded_rows, step_matrices, step_matrices_vjp
+from regkit_kernels.cpab.expm import _split, padded_rows, step_matrices, step_matrices_vjp
 from regkit_kernels.cpab.kernels import cell_kernel, cpab_bwd_kernel, cpab_fwd_kernel
 from regkit_kernels.launch import interpreter_on, pow2
 
@@ -50,6 +52,7 @@ _MAXNREG: int | None = None
 _DTYPES = (torch.float32, torch.float64)
 _SEGMENT = 5  # steps per unrolled sub-segment of the backward kernel (compile time grows about as its cube)
 _GEOMETRY: dict[tuple[Any, ...], tuple[Tensor, bool]] = {}
+_FACETS: dict[tuple[Any, ...], tuple[Tensor, Tensor]] = {}
 _ORDERS_KEPT = 4  # entries of POINT_ORDERS
 
 
@@ -60,14 +63,25 @@ class Box(Protocol):
     lower: Sequence[float]
     upper: Sequence[float]
 
+    def facet_planes(self) -> tuple[Tensor, Tensor]:
+        """Per cell, the barycentric rows ``(C, n + 1, n + 1)`` (float64; row ``f`` gives vertex ``f``'s coordinate
+        ``row[:n] . x + row[n]`` at a domain point ``x``) and the neighbours ``(C, n + 1)`` across the facets opposite
+        the vertices, ``-1`` on the box boundary."""
+        ...
+
+
+def _key(tess: Box, dtype: torch.dtype, device: torch.device) -> tuple[Any, ...]:
+    return (tuple(tess.shape), tuple(map(float, tess.lower)), tuple(map(float, tess.upper)), dtype, device)
+
 
 def _geometry(tess: Box, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, bool]:
-    """The kernels' geometry table and whether they must divide (``kernels._axis``): ``lower``, ``scale``, ``shape``
-    and ``shape - 1`` in ``dtype`` on ``device``, ``lower`` and ``extent = upper - lower`` rounded exactly as
-    ``Tessellation.locate`` rounds them, ``scale = 1 / extent`` when every extent is a power of two (then
-    ``x * scale`` is ``x / extent`` bit for bit), else ``extent``. Cached per box, dtype and device: a table made from
-    host values is a host-to-device copy, which would stall the host until the GPU has caught up."""
-    key = (tuple(tess.shape), tuple(map(float, tess.lower)), tuple(map(float, tess.upper)), dtype, device)
+    """The kernels' geometry table and whether they must divide (``kernels._axis``): ``lower``, ``scale``, ``shape``,
+    ``shape - 1`` and ``upper`` in ``dtype`` on ``device``, ``lower`` and ``extent = upper - lower`` rounded exactly
+    as ``Tessellation.locate`` rounds them, ``scale = 1 / extent`` when every extent is a power of two (then
+    ``x * scale`` is ``x / extent`` bit for bit), else ``extent``; ``upper`` as ``regkit.cpab.scheme`` rounds it for
+    the box test. Cached per box, dtype and device: a table made from host values is a host-to-device copy, which
+    would stall the host until the GPU has caught up."""
+    key = _key(tess, dtype, device)
     if key not in _GEOMETRY:
         lower = torch.tensor(tess.lower, dtype=dtype)
         extent = torch.tensor(tess.upper, dtype=dtype) - lower
@@ -78,20 +92,42 @@ def _geometry(tess: Box, dtype: torch.dtype, device: torch.device) -> tuple[Tens
         )
         scale = extent if divide else inverse
         shape = torch.tensor(tess.shape, dtype=dtype)
-        table = torch.cat([lower, scale, shape, shape - 1]).to(device)
+        table = torch.cat([lower, scale, shape, shape - 1, torch.tensor(tess.upper, dtype=dtype)]).to(device)
         _GEOMETRY[key] = (table, divide)
     return _GEOMETRY[key]
 
 
-def _check(points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: int) -> None:
+def _facets(tess: Box, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The kernels' facet tables (``kernels`` module docstring): ``planes (C, n + 1, 4)`` in ``dtype`` (the rows of
+    ``tess.facet_planes()`` rounded to ``dtype`` as ``regkit.cpab.scheme`` rounds them, padded; ``(0, .., 0, 1)`` for
+    facets on the box boundary, whose barycentric coordinate is then 1, so that they never stop a piece, as the spec's
+    ``interior`` mask has it) and ``neighbors (C, 4)`` int32 (padded with -1), on ``device``. Cached as
+    :func:`_geometry`."""
+    key = _key(tess, dtype, device)
+    if key not in _FACETS:
+        planes, neighbors = tess.facet_planes()
+        n = planes.shape[-1] - 1
+        planes = planes.to(dtype)
+        boundary = neighbors < 0
+        planes[boundary] = torch.eye(n + 1, dtype=dtype)[n]
+        planes = torch.nn.functional.pad(planes, (0, 4 - (n + 1)))
+        neighbors = torch.nn.functional.pad(neighbors, (0, 4 - (n + 1)), value=-1).to(torch.int32)
+        _FACETS[key] = (planes.contiguous().to(device), neighbors.contiguous().to(device))
+    return _FACETS[key]
+
+
+def _check(points: Tensor, A: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: int) -> None:
     n = len(tess.shape)
     cells = (4 if n == 2 else 5) * math.prod(tess.shape)
     if n not in (2, 3) or points.ndim != 3 or points.shape[-1] != n:
         raise ValueError(f"points must be (B, N, n) with n = {n} in (2, 3), got {tuple(points.shape)}")
-    if E.shape[:-1] != (points.shape[0], cells, n) or E.shape[-1] not in (n + 1, 4):
-        raise ValueError(f"E must be ({points.shape[0]}, {cells}, {n}, {n + 1} or 4), got {tuple(E.shape)}")
-    if points.dtype not in _DTYPES or E.dtype != points.dtype or E.device != points.device:
-        raise ValueError(f"points and E must share a float32/float64 dtype and a device, got {points.dtype}, {E.dtype}")
+    for name, M in (("A", A), ("E", E)):
+        if M.shape[:-1] != (points.shape[0], cells, n) or M.shape[-1] not in (n + 1, 4):
+            raise ValueError(f"{name} must be ({points.shape[0]}, {cells}, {n}, {n + 1} or 4), got {tuple(M.shape)}")
+        if points.dtype not in _DTYPES or M.dtype != points.dtype or M.device != points.device:
+            raise ValueError(
+                f"points and {name} must share a float32/float64 dtype and a device, got {points.dtype}, {M.dtype}"
+            )
     if points.device.type != "cuda" and not interpreter_on():
         raise ValueError("the fused CPAB kernels need CUDA tensors (or TRITON_INTERPRET=1 with CPU tensors)")
     if steps < 1 or checkpoint_every < 1:
@@ -152,25 +188,33 @@ def point_order(points: Tensor, tess: Box) -> Tensor | None:
 
 
 def cpab_fwd(
-    points: Tensor, E: Tensor, tess: Box, steps: int, checkpoint_every: int, order: Tensor | None = None
+    points: Tensor,
+    A: Tensor,
+    E: Tensor,
+    tess: Box,
+    h: float,
+    steps: int,
+    checkpoint_every: int,
+    order: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The expm-step scheme for ``steps`` steps with step matrices ``E (B, C, n, n + 1)`` (or in padded rows,
-    ``expm.padded_rows``) from ``points (B, N, n)``
-    (domain coordinates; the batch dimension may be a stride-0 broadcast). Returns the end points ``(B, N, n)`` and the
-    checkpoints ``(S - 1, B, N, n)``: the positions after ``K, 2K, ...`` steps, ``S = ceil(steps / K)`` (the backward
-    pass takes the points themselves for the first segment; ``K >= steps`` stores none). ``order`` (int32 ``(N,)``, a
-    permutation, :func:`point_order`) assigns the points to the kernel's lanes; the checkpoints are kept in its order
-    (pass the same to :func:`cpab_bwd`)."""
-    _check(points, E, tess, steps, checkpoint_every)
+    """The facet-resolved expm-step scheme for ``steps`` steps of ``h`` through the velocities ``A (B, C, n, n + 1)``
+    with their step matrices ``E = expm.step_matrices(A, h)`` (both may come in padded rows, ``expm.padded_rows``) from
+    ``points (B, N, n)`` (domain coordinates; the batch dimension may be a stride-0 broadcast). Returns the end points
+    ``(B, N, n)`` and the checkpoints ``(S - 1, B, N, n)``: the positions after ``K, 2K, ...`` steps,
+    ``S = ceil(steps / K)`` (the backward pass takes the points themselves for the first segment; ``K >= steps``
+    stores none). ``order`` (int32 ``(N,)``, a permutation, :func:`point_order`) assigns the points to the kernel's
+    lanes; the checkpoints are kept in its order (pass the same to :func:`cpab_bwd`)."""
+    _check(points, A, E, tess, steps, checkpoint_every)
     B, N, n = points.shape
-    points, E = _rows(points), padded_rows(E)
+    points, A, E = _rows(points), padded_rows(A), padded_rows(E)
     geometry, divide = _geometry(tess, points.dtype, points.device)
+    planes, neighbors = _facets(tess, points.dtype, points.device)
     out = points.new_empty((B, N, n))
     checkpoints = points.new_empty((-(-steps // checkpoint_every) - 1, B, N, n))
     grid, block, nx, ny = _launch_args(points, tess, _BLOCK)
     cpab_fwd_kernel[grid](
-        points, points.stride(0), points if order is None else order, E, geometry, out, _or(checkpoints, points),
-        B, N, E.shape[1], nx, ny, steps, checkpoint_every,
+        points, points.stride(0), points if order is None else order, E, A, planes, neighbors, geometry, out,
+        _or(checkpoints, points), *_split(h), B, N, E.shape[1], nx, ny, steps, checkpoint_every,
         NDIM=n, DIVIDE=divide, PERMUTED=order is not None, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return out, checkpoints
@@ -180,59 +224,66 @@ def cpab_bwd(
     points: Tensor,
     checkpoints: Tensor,
     grad_out: Tensor,
+    A: Tensor,
     E: Tensor,
     tess: Box,
+    h: float,
     steps: int,
     checkpoint_every: int,
     moments: bool,
     point_grad: bool = True,
     order: Tensor | None = None,
-) -> tuple[Tensor | None, Tensor | None]:
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The fused factorized adjoint for ``grad_out = dL/dx_T (B, N, n)``, given the forward pass's points and
-    checkpoints (every ``checkpoint_every`` steps, as :func:`cpab_fwd` stores them): returns, when ``point_grad``,
-    ``dL/dpoints (B, N, n)`` and, when ``moments``, ``dL/dE (B, C, n, 4)`` in padded rows (the per-cell moments
-    ``sum lambda_{s+1} [x_s; 1]^T``; float atomics, so the summation order varies between runs). The kernel sweeps
-    sub-segments of ``min(checkpoint_every, 5)`` unrolled steps; longer stored segments are first recomputed into
-    register checkpoints (one more pass of the scheme over them, in exchange for less memory). ``order``: the forward
-    pass's."""
+    checkpoints (every ``checkpoint_every`` steps, as :func:`cpab_fwd` stores them, for the same ``A``, ``E`` and
+    ``h``): returns, when ``point_grad``, ``dL/dpoints (B, N, n)`` and, when ``moments``, ``dL/dE (B, C, n, 4)`` in
+    padded rows (the regular steps' per-cell moments ``sum lambda_{s+1} [x_s; 1]^T``) and the pieces' ``dL/dA``
+    ``(B, C, n, 4)``, also padded (float atomics, so the summation order varies between runs). Then
+    ``dL/dA = expm.step_matrices_vjp(A, h, dL/dE) + dL/dA(pieces)``. The kernel sweeps sub-segments of
+    ``min(checkpoint_every, 5)`` unrolled steps; longer stored segments are first recomputed into register checkpoints
+    (one more pass of the scheme over them, in exchange for less memory). ``order``: the forward pass's."""
     B, N, n = grad_out.shape
     checkpoint_every = min(checkpoint_every, steps)
-    points, grad_out, E = _rows(points), grad_out.contiguous(), padded_rows(E)
+    points, grad_out, A, E = _rows(points), grad_out.contiguous(), padded_rows(A), padded_rows(E)
     geometry, divide = _geometry(tess, E.dtype, E.device)
+    planes, neighbors = _facets(tess, E.dtype, E.device)
     grad_points = torch.empty_like(grad_out) if point_grad else None
     grad_E = torch.zeros_like(E) if moments else None
+    direct = torch.zeros_like(E) if moments else None
     segment = min(checkpoint_every, _SEGMENT)
     grid, block, nx, ny = _launch_args(grad_out, tess, _BWD_BLOCK)
     cpab_bwd_kernel[grid](
-        points, points.stride(0), points if order is None else order, _or(checkpoints, points), grad_out, E, geometry,
-        grad_out if grad_points is None else grad_points, E if grad_E is None else grad_E,
-        B, N, E.shape[1], nx, ny, steps, checkpoint_every,
+        points, points.stride(0), points if order is None else order, _or(checkpoints, points), grad_out, E, A, planes,
+        neighbors, geometry, grad_out if grad_points is None else grad_points, E if grad_E is None else grad_E,
+        E if direct is None else direct, *_split(h), B, N, E.shape[1], nx, ny, steps, checkpoint_every,
         NDIM=n, SEG=segment, SLOTS=-(-checkpoint_every // segment), UNIFORM=UNIFORM and moments, MOMENTS=moments,
         POINTS=point_grad, DIVIDE=divide, PERMUTED=order is not None, BLOCK=block, num_warps=_BWD_WARPS,
         enable_fp_fusion=False,
         maxnreg=_MAXNREG if E.dtype == torch.float32 else None,
     )  # fmt: skip
-    return grad_points, grad_E
+    return grad_points, grad_E, direct
 
 
 class CPABIntegrateTriton(torch.autograd.Function):
-    """The expm-step scheme with the fused factorized adjoint.
+    """The facet-resolved expm-step scheme with the fused factorized adjoint.
 
     ``CPABIntegrateTriton.apply(points (B, N, n), A (B, C, n, n + 1), tess, t, steps, checkpoint_every) -> (B, N, n)``,
-    domain coordinates: the signature and the values of ``regkit.cpab.integrate.CPABIntegrate``, up to the rounding of
-    the step matrices (``E = expm.step_matrices(A, t / steps)``, one kernel, instead of ``torch.linalg.matrix_exp``).
-    The gradients differentiate the discrete scheme with the visited cells fixed: the backward kernel writes
-    ``dL/dE``, the per-cell moment table, and ``expm.step_matrices_vjp`` turns it into ``dL/dA``. Points shared by a
+    domain coordinates: the signature and the values of ``regkit.cpab.integrate.CPABIntegrate``, up to rounding (the
+    step matrices are ``E = expm.step_matrices(A, t / steps)``, one kernel, instead of ``torch.linalg.matrix_exp``,
+    and the pieces sum their Taylor polynomials in another order). The gradients differentiate the scheme with the
+    visited cells and hit times fixed: the backward kernel writes ``dL/dE``, the regular steps' per-cell moment table,
+    which ``expm.step_matrices_vjp`` turns into ``dL/dA``, and adds the pieces' ``dL/dA`` to it. Points shared by a
     batch are taken in the order of :func:`point_order` (saved for the backward pass with the checkpoints).
     """
 
     @staticmethod
     def forward(ctx: Any, points: Tensor, A: Tensor, tess: Box, t: float, steps: int, checkpoint_every: int) -> Tensor:
-        E = step_matrices(A, t / steps)
+        h = t / steps
+        E = step_matrices(A, h)
         order = point_order(points, tess)
-        out, checkpoints = cpab_fwd(points, E, tess, steps, checkpoint_every, order)
+        out, checkpoints = cpab_fwd(points, A, E, tess, h, steps, checkpoint_every, order)
         ctx.save_for_backward(points, A, E, checkpoints, order)
-        ctx.tess, ctx.h, ctx.steps, ctx.checkpoint_every = tess, t / steps, steps, checkpoint_every
+        ctx.tess, ctx.h, ctx.steps, ctx.checkpoint_every = tess, h, steps, checkpoint_every
         return out
 
     @staticmethod
@@ -242,21 +293,25 @@ class CPABIntegrateTriton(torch.autograd.Function):
         if not (need_points or need_A):
             return None, None, None, None, None, None
         points, A, E, checkpoints, order = ctx.saved_tensors
-        grad_points, grad_E = cpab_bwd(
-            points, checkpoints, grad_out, E, ctx.tess, ctx.steps, ctx.checkpoint_every, need_A, need_points, order
-        )
-        grad_A = step_matrices_vjp(A, ctx.h, grad_E) if grad_E is not None else None
+        grad_points, grad_E, direct = cpab_bwd(
+            points, checkpoints, grad_out, A, E, ctx.tess, ctx.h, ctx.steps, ctx.checkpoint_every, need_A,
+            need_points, order,
+        )  # fmt: skip
+        grad_A = None
+        if grad_E is not None and direct is not None:
+            grad_A = step_matrices_vjp(A, ctx.h, grad_E) + direct[..., : A.shape[-1]]
         return grad_points, grad_A, None, None, None, None
 
 
 def cpab_integrate(
     points: Tensor, A: Tensor, tess: Box, *, t: float = 1.0, steps: int, checkpoint_every: int
 ) -> Tensor:
-    """Integrate ``points (B, N, n)`` (domain coordinates) for time ``t`` in ``steps`` expm steps through the CPA
-    field ``A (B, C, n, n + 1)`` of ``tess``; differentiable with respect to both (:class:`CPABIntegrateTriton`).
-    ``checkpoint_every`` sets the memory of the backward pass: the forward stores the points every so many steps
-    (``ceil(steps / checkpoint_every) - 1`` copies); at most 5 it costs no recomputation beyond one pass of the scheme,
-    longer spacings cost one more pass. Without a graph to record (no gradient wanted) none are stored."""
+    """Integrate ``points (B, N, n)`` (domain coordinates) for time ``t`` in ``steps`` facet-resolved expm steps
+    through the CPA field ``A (B, C, n, n + 1)`` of ``tess``; differentiable with respect to both
+    (:class:`CPABIntegrateTriton`). ``checkpoint_every`` sets the memory of the backward pass: the forward stores the
+    points every so many steps (``ceil(steps / checkpoint_every) - 1`` copies); at most 5 it costs no recomputation
+    beyond one pass of the scheme, longer spacings cost one more pass. Without a graph to record (no gradient wanted)
+    none are stored."""
     if not (torch.is_grad_enabled() and (points.requires_grad or A.requires_grad)):
         checkpoint_every = steps
     return CPABIntegrateTriton.apply(points, A, tess, float(t), int(steps), int(checkpoint_every))

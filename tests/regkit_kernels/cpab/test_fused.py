@@ -1,10 +1,18 @@
-"""Fused CPAB kernels against the PyTorch paths: end points and checkpoints bit-equal to the reference scheme (hence
-the same visited cells), point and theta gradients equal to the factorized PyTorch adjoint's, 2D and 3D, float32 and
-float64, every boundary mode, batches, points on vertices, facets and outside the domain.
+"""Fused CPAB kernels against the PyTorch spec of the facet-resolved expm-step scheme (``regkit.cpab.scheme``):
+trajectories of regular steps only bit-equal to the reference's (hence the same visited cells), steps in pieces (facet
+crossings, large velocities) equal to rounding, point, A and theta gradients equal to the factorized PyTorch
+adjoint's, a gradcheck across facets, checkpoint spacings that change nothing, 2D and 3D, float32 and float64, every
+boundary mode, batches, shared points, points on facets, outside the domain and NaN.
 
-On CPU the kernels run in Triton's interpreter (slow): tiny tessellations, a few hundred points, T <= 10, one program
+On CPU the kernels run in Triton's interpreter (slow, and slowest where points cross facets: every piece sums a
+Taylor polynomial of tens of terms per Newton iteration): tiny tessellations, a few dozen points, T <= 10, one program
 per batch element. The ``gpu`` cases run realistic sizes (set REGKIT_TEST_CUDA=1 so that the conftest leaves the
 interpreter off).
+
+Points are drawn off the mesh's vertices and edges (facet centroids, cell centres, random points): where a flow
+starts on several facets at once, which of them a piece leaves through is decided by rounding (ties at hit time 0),
+and the spec decides it for a whole round of pieces at once (at the largest Taylor degree a piece of the round needs),
+the kernels for each lane alone (at its own degree), so that the two can follow different cells there.
 """
 
 import pytest
@@ -12,32 +20,78 @@ import torch
 
 pytest.importorskip("triton")
 
-from regkit.cpab.basis import BOUNDARY_MODES, cpa_basis
-from regkit.cpab.integrate import integrate, integrate_reference, integrate_trajectory
-from regkit.cpab.scheme import step_matrices, step_matrices_vjp
+from regkit.cpab import crossing, scheme
+from regkit.cpab.basis import BOUNDARY_MODES, CPABasis, cpa_basis
+from regkit.cpab.integrate import count_crossings, integrate, integrate_trajectory
+from regkit.cpab.scheme import step_matrices, step_matrices_vjp, take_step
 from regkit.cpab.tessellation import Tessellation
-from regkit_kernels.cpab import cpab_fwd
+from regkit_kernels.cpab import cpab_fwd, kernels
 from tests.helpers import assert_relative_close, relative_tolerance
-from tests.regkit_kernels.cpab_cases import TESSELLATIONS, awkward_points, case
+from tests.regkit_kernels.cpab_cases import TESSELLATIONS, case
 
-# Largest |triton - torch| of a float32 dL/dtheta, relative to the largest |torch| (every other gradient comparison
-# holds to ``_rounding_bounds``): the shared float32 tolerance. The fused adjoint of the matrix exponential (float64
-# inside) and matrix_exp's float32 autograd differ by up to ~5e-6 per matrix at the large velocities of these tests
-# (torch's error; the fused one is ~1e-6), summed over cells by the basis projection. In float32 the rounding bound is
-# no test: torch's adjoint squares about ||dL/dE||_1 times, and the bound reaches 10-80% of the largest dL/dtheta here.
-_TOL = relative_tolerance(torch.float32)
+F64 = torch.float64
 
 
 def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _tol(dtype: torch.dtype) -> float:
+    """Largest |triton - torch| of an output or gradient relative to the largest |torch|: the shared tolerance. The
+    paths differ in the order of their sums (the moments, the pieces' dL/dA, float atomics), in the pieces' rounding
+    (Taylor terms summed one by one to each lane's own degree instead of by Horner's rule to a round's largest) and,
+    for dL/dtheta in float32, in the adjoint of the matrix exponential (float64 inside the fused one; matrix_exp's
+    float32 autograd is off by up to ~5e-6 per matrix at these velocities, summed over cells by the projection)."""
+    return relative_tolerance(dtype)
+
+
+def _points(
+    tess: Tessellation, n_facets: int, n_random: int, batch: int, dtype: torch.dtype, seed: int
+) -> torch.Tensor:
+    """``(batch, N, n)`` domain points off the mesh's vertices and edges: ``n_facets`` facet centroids (on facets
+    shared by two cells or on the box boundary), then ``n_random`` random points of a box 20% larger than the domain
+    on each side (some start outside), each batch element its own."""
+    torch.manual_seed(seed)
+    corners = tess.cell_vertices()  # (C, n + 1, n)
+    n = tess.ndim
+    centroids = ((corners.sum(1, keepdim=True) - corners) / n).reshape(-1, n)  # facet f: the mean of the others
+    lower = torch.tensor(tess.lower, dtype=F64)
+    upper = torch.tensor(tess.upper, dtype=F64)
+    pick = torch.stack([torch.randperm(len(centroids))[:n_facets] for _ in range(batch)])
+    random = lower + (upper - lower) * (1.4 * torch.rand(batch, n_random, n, dtype=F64) - 0.2)
+    return torch.cat([centroids[pick], random], dim=1).to(dtype=dtype, device=_device())
+
+
+def _crossing_case(
+    ndim: int, dtype: torch.dtype, boundary: str = "free", batch: int = 2, n_points: int = 24
+) -> tuple[CPABasis, torch.Tensor, torch.Tensor]:
+    """``cpab_cases.case``'s basis on an odd box (in 3D with the zero boundary, which leaves that box no parameters,
+    the box of power-of-two extents) and its large velocities (a point crosses facets at most steps of 1/2, several at
+    some), with :func:`_points` (a third of them facet centroids)."""
+    which = 2 if ndim == 3 and boundary == "zero" else 1
+    basis, theta, _ = case(ndim, which, boundary, dtype, _device(), batch=batch)
+    return basis, theta, _points(basis.tess, n_points // 3, n_points - n_points // 3, batch, dtype, 10 * ndim + batch)
+
+
+def _regular(points: torch.Tensor, A: torch.Tensor, tess: Tessellation, steps: int) -> torch.Tensor:
+    """``(B, N)`` bool: the points whose every step of the spec is a regular step (no facet crossed)."""
+    h = 1.0 / steps
+    E = step_matrices(A, h)
+    x, regular = points, torch.ones(points.shape[:2], dtype=torch.bool, device=points.device)
+    with torch.no_grad():
+        for _ in range(steps):
+            x, step = take_step(E, A, x, tess, h)
+            regular &= step.regular
+    return regular
+
+
 @pytest.fixture
 def same_step_matrices(monkeypatch):
     """The fused path with PyTorch's step matrices (``torch.linalg.matrix_exp``) instead of its own kernel, so that
-    both paths step with bit-equal ``E``, visit the same cells and can be compared bit for bit (points on facets
-    included, where one ulp of ``E`` can change a cell and with it the discontinuous point Jacobian). The fused step
-    matrices are tested on their own (``test_step_matrices_equal_matrix_exp``, ``test_fused_path_with_own_steps``)."""
+    both paths step with bit-equal ``E``: regular steps are then bit-equal, visit the same cells and take their pieces
+    at the same steps (one ulp of ``E`` can move a point across a facet, and these tests' large velocities make the
+    flows expand, which magnifies any difference). The fused step matrices are tested on their own
+    (``test_step_matrices_equal_matrix_exp``, ``test_fused_path_with_own_steps``)."""
     import regkit_kernels.cpab.ops as ops
 
     monkeypatch.setattr(ops, "step_matrices", step_matrices)
@@ -52,105 +106,127 @@ def _gradients(points, theta, basis, grad, backend, steps, checkpoint_every):
     return (out, *torch.autograd.grad(out, (points, theta), grad))
 
 
-def _assert_close(got: torch.Tensor, want: torch.Tensor, name: str, tol: float = _TOL) -> None:
-    assert_relative_close(got, want, tol, name)
+def _assert_same(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    """Bit-equal in the interpreter, where the atomics add in program order; to rounding on the GPU."""
+    if got.is_cuda:
+        assert_relative_close(got, want, _tol(got.dtype), name)
+    else:
+        assert torch.equal(got, want), name
 
 
-def _rounding_bounds(points, theta, basis, grad, steps):
-    """Elementwise bounds on ``|triton - torch|`` of dL/dpoints and dL/dtheta (float64 tensors shaped as they are),
-    for ``theta (B, d)``, ``grad = dL/dx_T (B, N, n)``, ``t = 1`` and the same step matrices on both paths.
-
-    Both paths visit the same cells with bit-equal ``E`` and ``x_s`` (asserted), so they differ by rounding alone, in
-    sums of unspecified order: a sum of ``m`` terms in any order is within ``(m - 1) u sum |t_i|`` (``u`` the unit
-    roundoff; first order in ``u`` throughout). Let ``mu_T = |grad|``, ``mu_s = |E_lin(c_s)|^T mu_{s+1}`` (the adjoint
-    sweep in absolute values: ``mu_s >= |lambda_s|``) and ``S_c = sum mu_{s+1} [|x_s|; 1]^T`` over the ``N_c``
-    (point, step) pairs in cell ``c``. Per path:
-
-    * ``lambda_s = E_lin^T lambda_{s+1}``, ``n``-term dot products whose errors propagate through ``|E_lin|^T``:
-      ``|error of lambda_s| <= (T - s) n u mu_s``. dL/dpoints is ``lambda_0`` (a shared point's, summed over the batch).
-    * ``M_c = sum lambda_{s+1} [x_s; 1]^T``: ``|error| <= (N_c + T n) u S_c`` (the sum, the products, lambda's error).
-    * ``dL/dA = L*_A(M)``, the adjoint of ``A -> E`` (``step_matrices_vjp``: ``h int e^(r X^T) M' e^((1-r) X^T) dr``
-      over ``r`` in [0, 1], ``X = h [A; 0]``), is linear in ``M`` and ``|L*_A(G)| <= L*_|A|(|G|)`` entrywise, as
-      ``|e^Y| <= e^|Y|``. Both paths take it by scaling and squaring: ``s`` squarings, each doubling the error
-      relative to the same computation in absolute values and adding that of a ``2Q``-term product, after a
-      polynomial at norm <= 1 (within ``20 u``): ``|error| <= 2^s (2 Q + 20) u L*_|A|(|M|)``. The fused kernel
-      scales ``X`` alone (``2^s < 2 ||X||_inf``), the autograd of ``torch.linalg.matrix_exp`` the block matrix
-      ``[[X^T, M'], [0, X^T]]`` (``2^s < 2 ||.||_1``, at most ``2 (||X||_inf + ||M||_1)``): dominated by the
-      moments' size, torch's error is the larger by far.
-    * ``dL/dtheta = B^T vec(dL/dA)``, at most ``K`` terms a parameter (nonzeros of a column of ``B``): the errors pass
-      through ``|B|^T``, plus ``K u |B|^T |dL/dA|``.
-
-    Twice each path's error bounds the difference (``alpha`` below, per cell; ``Q = n + 1``). It stays a test: in these
-    cases a single (point, step) term missing from ``M``, or added to another cell, moves dL/dtheta by at least ~7e3
-    times the bound (wherever it moves it at all: a point held by a zero or normal boundary does not).
-    """
-    tess, n = basis.tess, basis.tess.ndim
-    u = torch.finfo(theta.dtype).eps / 2
-    A = basis.to_A(theta.detach())
-    x = integrate_trajectory(points.detach(), A, tess, t=1.0, steps=steps)  # (T + 1, B, N, n): the visited cells
-    cells = tess.locate(x[:-1])
-    A, x, h = A.double(), x.double(), 1.0 / steps
-    batch, n_cells = A.shape[:2]
-    abs_E = step_matrices(A, h).abs()
-    mu = grad.double().abs()
-    S = A.new_zeros(batch, n_cells, n * (n + 1))
-    count = A.new_zeros(batch, n_cells)  # N_c
-    for s in reversed(range(steps)):
-        term = torch.cat([mu.unsqueeze(-1) * x[s].abs().unsqueeze(-2), mu.unsqueeze(-1)], dim=-1)
-        S.scatter_add_(1, cells[s].unsqueeze(-1).expand(-1, -1, n * (n + 1)), term.flatten(-2))
-        count.scatter_add_(1, cells[s], torch.ones_like(cells[s], dtype=count.dtype))
-        at_cells = torch.gather(abs_E.flatten(-2), 1, cells[s].unsqueeze(-1).expand(-1, -1, n * (n + 1)))
-        mu = (at_cells.view(batch, -1, n, n + 1)[..., :n] * mu.unsqueeze(-1)).sum(-2)  # |E_lin(c_s)|^T mu
-    S = S.view(batch, n_cells, n, n + 1)
-    abs_B = basis.matrix.to_dense().abs()  # (C n (n + 1), d)
-    K = (abs_B > 0).sum(0).max().item()
-    squarings = 2 * (h * A.abs().sum(-1).amax(-1) + S.sum(-2).amax(-1)).clamp_min(1.0)  # >= 2^s of both paths
-    alpha = 2 * u * (count + steps * n + (2 * (n + 1) + 20) * squarings + K)
-    theta_bound = step_matrices_vjp(A.abs(), h, alpha[..., None, None] * S).flatten(-3) @ abs_B
-    if points.ndim == 2:  # shared points: their gradient sums the batch's
-        return 2 * (steps * n + batch - 1) * u * mu.sum(0), theta_bound
-    return 2 * steps * n * u * mu, theta_bound
+def test_constants_are_those_of_the_spec() -> None:
+    assert kernels.MAX_CROSSINGS.value == scheme.MAX_CROSSINGS
+    assert kernels.MAX_DEGREE.value == crossing.MAX_DEGREE
+    assert kernels.NEWTON_ITERATIONS.value == crossing.NEWTON_ITERATIONS
+    tolerances = {torch.float32: kernels.TOLERANCE_F32.value, F64: kernels.TOLERANCE_F64.value}
+    assert tolerances == crossing.TAYLOR_TOLERANCE
 
 
-def _assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, name: str) -> None:
-    diff = (got - want).abs().double()
-    worst = (diff / bound.clamp_min(torch.finfo(bound.dtype).tiny)).max().item()
-    assert (diff <= bound).all(), f"{name}: |triton - torch| reaches {worst:.3g} times its rounding bound"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
 @pytest.mark.parametrize("ndim,which", [(2, 0), (2, 1), (2, 2), (3, 0), (3, 1), (3, 2)])
 def test_forward_equals_reference(ndim, which, dtype):
-    """End points and every checkpoint are bit-equal to the reference scheme, so every step used the same cell."""
-    basis, theta, points = case(ndim, which, "free", dtype, _device())
+    """Slow flows (few crossings): the trajectories of regular steps only are bit-equal to the reference's at the end
+    and at every checkpoint (the same cell lookup and step arithmetic; odd boxes divide by their extents, boxes of
+    power-of-two extents multiply by the inverses), the others equal to rounding."""
+    basis, theta, _ = case(ndim, which, "free", dtype, _device())
+    A = basis.to_A(0.05 * theta)
     tess = basis.tess
+    points = torch.cat([tess.centers().to(dtype).expand(2, -1, -1).to(_device()), _points(tess, 0, 60, 2, dtype, 1)], 1)
     steps, every = 10, 3
-    E = step_matrices(basis.to_A(theta), 1.0 / steps)
-    out, checkpoints = cpab_fwd(points, E, tess, steps, every)
-    trajectory = integrate_trajectory(points, basis.to_A(theta), tess, t=1.0, steps=steps)
-    assert (points - trajectory[0]).abs().max() == 0
-    assert torch.equal(out, integrate_reference(points, basis.to_A(theta), tess, t=1.0, steps=steps))
-    assert torch.equal(checkpoints, trajectory[every:steps:every])
-    assert torch.equal(out, trajectory[-1])
+    E = step_matrices(A, 1.0 / steps)
+    out, checkpoints = cpab_fwd(points, A, E, tess, 1.0 / steps, steps, every)
+    trajectory = integrate_trajectory(points, A, tess, t=1.0, steps=steps)
+    regular = _regular(points, A, tess, steps)
+    assert regular.float().mean() > 0.7 and not regular.all()
+    assert torch.equal(out[regular], trajectory[-1][regular])
+    assert torch.equal(checkpoints[:, regular], trajectory[every:steps:every][:, regular])
+    assert_relative_close(out, trajectory[-1], _tol(dtype), "end points")
+    assert_relative_close(checkpoints, trajectory[every:steps:every], _tol(dtype), "checkpoints")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("boundary", BOUNDARY_MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_forward_matches_the_spec_across_many_facets(ndim, dtype):
+    """Large velocities, two steps: about a facet crossed per point, up to several in a step (a point on a facet
+    leaves it at hit time 0); end points and the checkpoint equal the reference's to rounding; NaN points stay
+    NaN, points outside the box take regular steps."""
+    basis, theta, points = _crossing_case(ndim, dtype)
+    points[1, -1, 0] = float("nan")
+    A = basis.to_A(theta)
+    h = 0.5
+    _, step = take_step(step_matrices(A, h), A, points, basis.tess, h)
+    assert len(step.pieces) >= 3
+    assert count_crossings(points, A, basis.tess, steps=2) > points.shape[0] * points.shape[1] / 2
+    out, checkpoints = cpab_fwd(points, A, step_matrices(A, h), basis.tess, h, 2, 1)
+    trajectory = integrate_trajectory(points, A, basis.tess, t=1.0, steps=2)
+    nan = trajectory[-1].isnan().any(-1)
+    assert nan.sum() == 1 and torch.equal(out.isnan().any(-1), nan)
+    assert_relative_close(out[~nan], trajectory[-1][~nan], _tol(dtype), "end points")
+    assert_relative_close(checkpoints[0][~nan], trajectory[1][~nan], _tol(dtype), "checkpoint")
+
+
+def test_forward_stops_after_max_crossings():
+    """One step of very large velocities on a fine tessellation: a point crosses ``MAX_CROSSINGS`` facets and takes
+    the time left in the last cell, as the spec does. Points whose flow slides along a facet (pieces of hit time 0 to
+    and fro between its two cells, until the cap) are left out: which cell takes the time left is decided by
+    rounding there."""
+    torch.manual_seed(6)
+    tess = Tessellation((6, 6), (-1.0, -1.0), (1.0, 0.5))
+    basis = cpa_basis(tess, "zero")
+    A = basis.to_A(12.0 * torch.randn(1, basis.d, dtype=F64)).to(_device())
+    points = _points(tess, 0, 16, 1, F64, 3)
+    ref, step = take_step(step_matrices(A, 1.0), A, points, tess, 1.0)
+    assert len(step.pieces) == scheme.MAX_CROSSINGS + 1
+    sliding = torch.zeros(points.shape[1], dtype=torch.bool, device=points.device)
+    for piece in step.pieces:
+        sliding[piece.rows[piece.durations == 0]] = True
+    assert sliding.sum() <= 2 and not sliding[step.pieces[-1].rows].all()
+    out, _ = cpab_fwd(points, A, step_matrices(A, 1.0), tess, 1.0, 1, 1)
+    assert_relative_close(out[:, ~sliding], ref[:, ~sliding], _tol(F64), "end points")
+
+
+@pytest.mark.parametrize(  # float32 on one boundary mode: the boundary modes change A, not the kernels
+    "boundary,dtype", [(mode, F64) for mode in BOUNDARY_MODES] + [("free", torch.float32)]
+)
 @pytest.mark.parametrize("ndim", [2, 3])
 @pytest.mark.usefixtures("same_step_matrices")
 def test_gradients_equal_factorized_torch(ndim, boundary, dtype):
-    """Values, dL/dpoints and dL/dtheta of integrate(backend="triton") equal those of backend="torch"."""
-    basis, theta, points = case(ndim, 1 if boundary == "normal" else 0, boundary, dtype, _device())
+    """Across many facets: values, dL/dpoints, dL/dA (``A`` a leaf) and dL/dtheta (through ``basis.to_A``) of
+    ``integrate(backend="triton")`` equal those of ``backend="torch"``. In float32 against the float64 torch path:
+    the spec's closed-form adjoint of a piece (``crossing.piece_vjp``) forms ``(A_lin^T)^j lam`` and ``tau^j / j!``
+    apart, which overflow and underflow float32 at the high degrees of these velocities (NaN gradients)."""
+    basis, theta, points = _crossing_case(ndim, dtype, boundary, batch=1)
+    assert count_crossings(points, basis.to_A(theta), basis.tess, steps=2) > points.shape[1] / 2
     grad = torch.randn(points.shape, dtype=dtype, device=points.device)
-    want = _gradients(points, theta, basis, grad, "torch", 10, 4)
-    got = _gradients(points, theta, basis, grad, "triton", 10, 4)
-    points_bound, theta_bound = _rounding_bounds(points, theta, basis, grad, 10)
-    assert torch.equal(got[0], want[0])
-    _assert_within(got[1], want[1], points_bound, "dL/dpoints")
-    if dtype == torch.float64:
-        _assert_within(got[2], want[2], theta_bound, "dL/dtheta")
-    else:
-        _assert_close(got[2], want[2], "dL/dtheta")
+    results = {}
+    for backend, precision in (("triton", dtype), ("torch", F64)):
+        A = basis.to_A(theta.to(precision)).detach().requires_grad_(True)
+        p = points.to(precision).requires_grad_(True)
+        out = integrate(p, A, basis.tess, steps=2, backend=backend, checkpoint_every=1)
+        results[backend] = (out, *torch.autograd.grad(out, (p, A), grad.to(precision)))
+        results[backend] += (
+            _gradients(points.to(precision), theta.to(precision), basis, grad.to(precision), backend, 2, 1)[2],
+        )
+    got, want = results["triton"], results["torch"]
+    for name, g, w in zip(("end points", "dL/dpoints", "dL/dA", "dL/dtheta"), got, want, strict=True):
+        assert_relative_close(g, w, _tol(dtype), name)
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_gradcheck_across_facets(ndim):
+    """float64 ``gradcheck`` of the whole fused face (its own step matrices and their adjoint) in theta, 2 steps,
+    trajectories that cross facets: the gradient with the cells and hit times fixed is the flow's gradient."""
+    torch.manual_seed(10 + ndim)
+    basis = cpa_basis(Tessellation((3, 2) if ndim == 2 else (2, 2, 3)), "zero")
+    theta = (3.0 * torch.randn(basis.d, dtype=F64)).to(_device())
+    points = (0.1 + 0.8 * torch.rand(8, ndim, dtype=F64)).to(_device())
+    assert count_crossings(points, basis.to_A(theta), basis.tess, steps=2) >= 4
+
+    def flow(th: torch.Tensor) -> torch.Tensor:
+        return integrate(points, basis.to_A(th), basis.tess, steps=2, backend="triton")
+
+    theta.requires_grad_(True)
+    assert torch.autograd.gradcheck(flow, (theta,), eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
 
 
 @pytest.mark.parametrize("ndim", [2, 3])
@@ -162,79 +238,81 @@ def test_shared_points_and_partial_gradients(ndim, sort, monkeypatch):
     import regkit_kernels.cpab.ops as ops
 
     monkeypatch.setattr(ops, "SORT_MIN", 0 if sort else 1 << 30)
-    basis, theta, points = case(ndim, 1, "free", torch.float64, _device(), n_random=100, batch=3)
-    order = ops.point_order(points[0].expand(3, -1, -1), basis.tess)
+    basis, theta, _ = case(ndim, 1, "free", F64, _device(), batch=2)
+    theta = 0.3 * theta
+    shared = _points(basis.tess, 4, 12, 1, F64, ndim)[0]
+    order = ops.point_order(shared.expand(2, -1, -1), basis.tess)
     assert (order is not None) == sort
     if sort:
-        assert not torch.equal(order.long(), torch.arange(len(order)))
-        assert torch.equal(order.long().sort().values, torch.arange(len(order)))
-    shared = points[0]
-    grad = torch.randn(3, *shared.shape, dtype=torch.float64)
-    want = _gradients(shared, theta, basis, grad, "torch", 5, 8)
-    got = _gradients(shared, theta, basis, grad, "triton", 5, 8)
-    points_bound, theta_bound = _rounding_bounds(shared, theta, basis, grad, 5)
-    assert torch.equal(got[0], want[0])
-    _assert_within(got[1], want[1], points_bound, "dL/dpoints")
-    _assert_within(got[2], want[2], theta_bound, "dL/dtheta")
+        assert not torch.equal(order.long().cpu(), torch.arange(len(order)))
+        assert torch.equal(order.long().sort().values.cpu(), torch.arange(len(order)))
+    assert count_crossings(shared, basis.to_A(theta), basis.tess, steps=3) > 0
+    grad = torch.randn(2, *shared.shape, dtype=F64, device=shared.device)
+    want = _gradients(shared, theta, basis, grad, "torch", 3, 8)
+    got = _gradients(shared, theta, basis, grad, "triton", 3, 8)
+    for name, g, w in zip(("end points", "dL/dpoints", "dL/dtheta"), got, want, strict=True):
+        assert_relative_close(g, w, _tol(F64), name)
     A = basis.to_A(theta)
     p = shared.detach().requires_grad_(True)
-    (only_points,) = torch.autograd.grad(integrate(p, A, basis.tess, steps=5, backend="triton"), p, grad)
-    _assert_within(only_points, want[1], points_bound, "dL/dpoints alone")
+    (only_points,) = torch.autograd.grad(integrate(p, A, basis.tess, steps=3, backend="triton"), p, grad)
+    _assert_same(only_points, got[1], "dL/dpoints alone")
     th = theta.detach().requires_grad_(True)
-    out = integrate(shared, basis.to_A(th), basis.tess, steps=5, backend="triton")
+    out = integrate(shared, basis.to_A(th), basis.tess, steps=3, backend="triton")
     (only_theta,) = torch.autograd.grad(out, th, grad)
-    _assert_within(only_theta, want[2], theta_bound, "dL/dtheta alone")
+    _assert_same(only_theta, got[2], "dL/dtheta alone")
 
 
 @pytest.mark.parametrize("ndim,which", [(2, 1), (2, 2), (3, 2)])
-@pytest.mark.parametrize("every", [8, 10, 25])
 @pytest.mark.usefixtures("same_step_matrices")
-def test_long_checkpoint_spacing(ndim, which, every):
-    """Stored segments longer than the backward kernel's unrolled sub-segments (10 steps: checkpoints every 8 steps,
-    one stored segment of 10, none stored): the register checkpoints give the same gradients."""
-    basis, theta, points = case(ndim, which, "zero", torch.float64, _device(), n_random=100)
-    grad = torch.randn(points.shape, dtype=torch.float64)
+def test_checkpoint_spacing_changes_nothing(ndim, which):
+    """Checkpoints every step, every 3 (sub-segments of 3), every 8 (register checkpoints in stored segments longer
+    than the unrolled sub-segments) and none (25 > 10 steps), with facets crossed: the same end points and gradients
+    (bit for bit in the interpreter), equal to the torch path's."""
+    basis, theta, _ = case(ndim, which, "zero", F64, _device(), batch=1)
+    theta = 0.4 * theta
+    points = _points(basis.tess, 4, 12, 1, F64, which)
+    assert count_crossings(points, basis.to_A(theta), basis.tess, steps=10) >= 3
+    grad = torch.randn(points.shape, dtype=F64, device=points.device)
     want = _gradients(points, theta, basis, grad, "torch", 10, 4)
-    got = _gradients(points, theta, basis, grad, "triton", 10, every)
-    points_bound, theta_bound = _rounding_bounds(points, theta, basis, grad, 10)
-    assert torch.equal(got[0], want[0])
-    _assert_within(got[1], want[1], points_bound, "dL/dpoints")
-    _assert_within(got[2], want[2], theta_bound, "dL/dtheta")
+    first = _gradients(points, theta, basis, grad, "triton", 10, 1)
+    for name, g, w in zip(("end points", "dL/dpoints", "dL/dtheta"), first, want, strict=True):
+        assert_relative_close(g, w, _tol(F64), name)
+    for every in (3, 8, 25):
+        got = _gradients(points, theta, basis, grad, "triton", 10, every)
+        assert torch.equal(got[0], first[0])
+        for name, g, f in zip(("dL/dpoints", "dL/dtheta"), got[1:], first[1:], strict=True):
+            _assert_same(g, f, f"{name}, checkpoints every {every}")
 
 
 @pytest.mark.parametrize("ndim", [2, 3])
 @pytest.mark.usefixtures("same_step_matrices")
 def test_flush_skip(ndim, monkeypatch):
     """A slow flow in programs of 16 points, so that at most steps no point of a program changes cell (and at some one
-    does): the backward kernel that skips the moment flush program-wide at those steps (``UNIFORM``) gives the same
-    gradients as the one that flushes at every step (bit-equal in the interpreter, where the atomics add in order),
-    equal to the torch path's."""
+    does, by crossing a facet): the backward kernel that skips the moment flush program-wide at those steps
+    (``UNIFORM``) gives the same gradients as the one that flushes at every step (bit-equal in the interpreter, where
+    the atomics add in order), equal to the torch path's."""
     import regkit_kernels.cpab.ops as ops
 
     monkeypatch.setattr(ops, "INTERPRETER_BLOCK", 16)
-    basis, theta, _ = case(ndim, 0, "zero", torch.float64, _device())
+    basis, theta, _ = case(ndim, 0, "zero", F64, _device())
     theta = (0.2 if ndim == 2 else 1.0) * theta
     torch.manual_seed(ndim)
-    points = torch.rand(2, 48, ndim, dtype=torch.float64, device=theta.device)
-    steps = 10
+    points = torch.rand(2, 48, ndim, dtype=F64, device=theta.device)
+    steps = 4
     cells = basis.tess.locate(integrate_trajectory(points, basis.to_A(theta), basis.tess, t=1.0, steps=steps))
     changed = (cells[1:] != cells[:-1]).reshape(steps, 2, 3, 16).any(-1)  # per step, batch element and program
     assert changed.any() and not changed.all()
-    grad = torch.randn(points.shape, dtype=torch.float64, device=theta.device)
+    grad = torch.randn(points.shape, dtype=F64, device=theta.device)
     want = _gradients(points, theta, basis, grad, "torch", steps, 4)
     results = []
     for uniform in (False, True):
         monkeypatch.setattr(ops, "UNIFORM", uniform)
         results.append(_gradients(points, theta, basis, grad, "triton", steps, steps))
     flushing, skipping = results
-    points_bound, theta_bound = _rounding_bounds(points, theta, basis, grad, steps)
-    assert torch.equal(skipping[0], want[0]) and torch.equal(skipping[1], flushing[1])
-    if points.is_cuda:  # the moments' float atomics add in another order
-        _assert_within(skipping[2], flushing[2], theta_bound, "dL/dtheta")
-    else:
-        assert torch.equal(skipping[2], flushing[2])
-    _assert_within(skipping[1], want[1], points_bound, "dL/dpoints")
-    _assert_within(skipping[2], want[2], theta_bound, "dL/dtheta")
+    assert torch.equal(skipping[0], flushing[0]) and torch.equal(skipping[1], flushing[1])
+    _assert_same(skipping[2], flushing[2], "dL/dtheta")
+    for name, g, w in zip(("end points", "dL/dpoints", "dL/dtheta"), skipping, want, strict=True):
+        assert_relative_close(g, w, _tol(F64), name)
 
 
 @pytest.mark.gpu
@@ -251,27 +329,32 @@ def test_flush_skip(ndim, monkeypatch):
 )
 @pytest.mark.usefixtures("same_step_matrices")
 def test_realistic_sizes_gpu(ndim, shape, batch, every, shared):
-    """Realistic sizes on the GPU: end points equal the reference, gradients equal the torch path's (float32), and two
-    runs give gradients equal up to the reordering of float atomics; every output element is written. Checkpoints
-    every 5 steps, every 8 and none (every 50 of 50 steps); points of their own per batch element, or shared (then the
-    kernels take them sorted by cell)."""
+    """Realistic sizes on the GPU, facets crossed at many steps: end points and gradients equal the torch path's
+    (float32), and two runs give gradients equal up to the reordering of float atomics; every output element is
+    written. Checkpoints every 5 steps, every 8 and none (every 50 of 50 steps); points of their own per batch
+    element, or shared (then the kernels take them sorted by cell)."""
     torch.manual_seed(sum(shape))
     tess = Tessellation(shape, (-1.0,) * ndim, (2.0,) * ndim)
     basis = cpa_basis(tess, "zero")
-    theta = 3.0 * torch.randn(batch, basis.d, device="cuda")
-    points = awkward_points(tess, 50_000, batch, torch.float32, "cuda")
+    theta = 2.0 * torch.randn(batch, basis.d, device="cuda")
+    points = -1.6 + 4.2 * torch.rand(batch, 50_000, ndim, device="cuda")  # some outside the box
     points = points[0] if shared else points
     grad = torch.randn(batch, *points.shape[-2:], device="cuda")
+    assert count_crossings(points[..., :2000, :], basis.to_A(theta), tess, steps=50) > 250
     want = _gradients(points, theta, basis, grad, "torch", 50, 5)
     got = _gradients(points, theta, basis, grad, "triton", 50, every)
     again = _gradients(points, theta, basis, grad, "triton", 50, every)
-    assert torch.equal(got[0], want[0])
     assert all(torch.isfinite(g).all() for g in got)
+    # Regular steps are bit-equal, pieces equal to float32 rounding; the flows' expansion over 50 steps magnifies
+    # that, at a few points (those whose trajectories pass closest to an edge) up to a visible difference. So: the
+    # end points and dL/dpoints of 99.9% of the points to float32 rounding (relative to the largest).
+    for name, g, w in zip(("end points", "dL/dpoints"), got[:2], want[:2], strict=True):
+        close = (g - w).abs().amax(-1) <= _tol(torch.float32) * w.abs().max()
+        assert close.float().mean() >= 0.999, f"{name}: {close.float().mean().item():.4%} close"
     # theta's gradient sums 50 steps x 50k points per cell in float32, in another order (atomics): measured on the
     # H200, 3e-5 relative at 16x16 cells; 2e-4 bounds that reordering, far below any real error.
-    _assert_close(got[1], want[1], "dL/dpoints")
     for name, g, a in zip(("dL/dpoints", "dL/dtheta"), got[1:], again[1:], strict=True):
-        _assert_close(a, g, f"{name} (second run)", tol=2e-4)
+        assert_relative_close(a, g, 2e-4, f"{name} (second run)")
     # dL/dtheta against the torch path: at these large velocities its float32 adjoint of the matrix exponential is off
     # by up to 2e-3 (measured on the H200), the fused one (float64 inside) much less. So both are held against the
     # float64 torch path: the fused gradient must be at least as close to it as the float32 torch gradient.
@@ -285,18 +368,20 @@ def test_realistic_sizes_gpu(ndim, shape, batch, every, shared):
 @pytest.mark.parametrize("ndim", [2, 3])
 @pytest.mark.usefixtures("same_step_matrices")
 def test_several_programs_per_batch_element(ndim, monkeypatch):
-    """Blocks smaller than the point count (as on the GPU): every program writes its own points and moments."""
+    """Blocks smaller than the point count (as on the GPU): every program writes its own points and moments, and
+    adds its own pieces' dL/dA."""
     import regkit_kernels.cpab.ops as ops
 
-    monkeypatch.setattr(ops, "INTERPRETER_BLOCK", 64)
-    basis, theta, points = case(ndim, 0, "normal", torch.float64, _device(), n_random=150)
-    grad = torch.randn(points.shape, dtype=torch.float64)
-    want = _gradients(points, theta, basis, grad, "torch", 6, 4)
-    got = _gradients(points, theta, basis, grad, "triton", 6, 4)
-    points_bound, theta_bound = _rounding_bounds(points, theta, basis, grad, 6)
-    assert torch.equal(got[0], want[0])
-    _assert_within(got[1], want[1], points_bound, "dL/dpoints")
-    _assert_within(got[2], want[2], theta_bound, "dL/dtheta")
+    monkeypatch.setattr(ops, "INTERPRETER_BLOCK", 16)
+    basis, theta, _ = case(ndim, 0, "normal", F64, _device())
+    theta = 0.4 * theta
+    points = _points(basis.tess, 8, 32, 2, F64, 7)
+    assert count_crossings(points, basis.to_A(theta), basis.tess, steps=3) > 0
+    grad = torch.randn(points.shape, dtype=F64, device=points.device)
+    want = _gradients(points, theta, basis, grad, "torch", 3, 2)
+    got = _gradients(points, theta, basis, grad, "triton", 3, 2)
+    for name, g, w in zip(("end points", "dL/dpoints", "dL/dtheta"), got, want, strict=True):
+        assert_relative_close(g, w, _tol(F64), name)
 
 
 @pytest.mark.parametrize("batched", [False, True])
@@ -320,9 +405,9 @@ def test_cell_velocities_equal_to_A(ndim, boundary, batched):
             got = cell_velocities(basis, th)
             (got_grad,) = torch.autograd.grad(got, th, grad.to(dtype))
             assert got.shape == want.shape and got_grad.shape == want_grad.shape
-            _assert_close(got, want, "A", tol)
+            assert_relative_close(got, want, tol, "A")
             if basis.d:  # 3D zero boundary on one cube: no parameters
-                _assert_close(got_grad, want_grad, "dL/dtheta", tol)
+                assert_relative_close(got_grad, want_grad, tol, "dL/dtheta")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -353,16 +438,18 @@ def test_step_matrices_equal_matrix_exp(ndim, dtype):
 
 @pytest.mark.parametrize("ndim", [2, 3])
 def test_fused_path_with_own_steps(ndim):
-    """The fused path as used (its own step matrices) on points off the facets: end points and gradients agree with
-    the PyTorch path to float32 rounding (an ulp of ``E`` moves a point by about an ulp; no cell changes)."""
+    """The fused path as used (its own step matrices), float32, facets crossed: end points and gradients agree with
+    the PyTorch path to float32 rounding (an ulp of ``E`` moves a point by about an ulp)."""
     basis, theta, _ = case(ndim, 0, "zero", torch.float32, _device())
+    theta = 0.3 * theta
     torch.manual_seed(7)
-    points = (0.05 + 0.9 * torch.rand(2, 300, ndim)).to(_device())
+    points = (0.05 + 0.9 * torch.rand(2, 40, ndim)).to(_device())
+    assert count_crossings(points, basis.to_A(theta), basis.tess, steps=4) > 0
     grad = torch.randn(points.shape, device=points.device)
-    want = _gradients(points, theta, basis, grad, "torch", 10, 4)
-    got = _gradients(points, theta, basis, grad, "triton", 10, 4)
+    want = _gradients(points, theta, basis, grad, "torch", 4, 2)
+    got = _gradients(points, theta, basis, grad, "triton", 4, 2)
     for name, g, w in zip(("end points", "dL/dpoints", "dL/dtheta"), got, want, strict=True):
-        _assert_close(g, w, name, tol=1e-4)
+        assert_relative_close(g, w, _tol(torch.float32), name)
 
 
 _COMPILE_SCRIPT = """
@@ -386,7 +473,7 @@ for kernel, consts in point_kernels + [(step_matrices_kernel, {"DEG": 12}), (ste
         start = time.perf_counter()
         constexprs = {"NDIM": ndim, "BLOCK": 128, **consts}
         signature = {
-            name: "constexpr" if name in constexprs else "*i32" if name == "perm_ptr" else
+            name: "constexpr" if name in constexprs else "*i32" if name in ("perm_ptr", "nb_ptr") else
             "*fp32" if name.endswith("_ptr") else
             "fp32" if name in ("h0", "h1", "h2") else "i32"
             for name in kernel.arg_names
@@ -410,7 +497,8 @@ def test_kernels_compile_for_sm90_without_contraction():
     """Without a GPU: the kernels compile for sm_90 (through ptxas); the forward kernel with no fused multiply-adds
     (the backward kernel recomputes positions with the same code, under the same options), the point kernels with IEEE
     division where the box's extents are not powers of two (else a multiplication by their exact inverses): the
-    arithmetic the bit-equality with PyTorch rests on (a subprocess, since the interpreter is on in this one)."""
+    arithmetic the bit-equality of regular steps with PyTorch rests on (a subprocess, since the interpreter is on in
+    this one)."""
     import os
     import subprocess
     import sys
