@@ -30,8 +30,8 @@ _DEGREE = {torch.float32: 12, torch.float64: 18}
 
 
 @triton.jit
-def _float64(h0, h1, h2):
-    """``h0 + h1 + h2`` in float64 (Triton passes Python floats as float32: :func:`_split` cuts ``h`` in three)."""
+def float64_sum(h0, h1, h2):
+    """``h0 + h1 + h2`` in float64 (Triton passes Python floats as float32: :func:`split_float` cuts ``h`` in three)."""
     return (tl.cast(h0, tl.float64) + tl.cast(h1, tl.float64)) + tl.cast(h2, tl.float64)
 
 
@@ -146,7 +146,7 @@ def step_matrices_kernel(
     """``e[r] = (expm(h [a[r]; 0]))[:NDIM]`` for ``R`` row-major ``NDIM x (NDIM + 1)`` matrices, written as padded
     ``NDIM x 4`` rows (a zero last column in 2D). Computed in float64 on the top rows (module docstring)."""
     Q: tl.constexpr = NDIM + 1
-    h = _float64(h0, h1, h2)
+    h = float64_sum(h0, h1, h2)
     row = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     ok = row < R
     m = ()  # type: tuple[Any, ...]
@@ -181,7 +181,7 @@ def step_matrices_vjp_kernel(
     through Horner's steps and the squarings, ``[[A, B], [0, A]] [[C, D], [0, C]] = [[AC, AD + BC], [0, AC]]``.
     Computed in float64."""
     Q: tl.constexpr = NDIM + 1
-    h = _float64(h0, h1, h2)
+    h = float64_sum(h0, h1, h2)
     row = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     ok = row < R
     zero = tl.zeros([BLOCK], dtype=tl.float64)
@@ -222,7 +222,7 @@ def step_matrices_vjp_kernel(
             tl.store(out_ptr + row * (NDIM * Q) + i * Q + j, value.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _split(h: float) -> tuple[float, float, float]:
+def split_float(h: float) -> tuple[float, float, float]:
     """``h`` as three float32 values whose sum in float64 is ``h`` (24 bits each cover float64's 53)."""
     h0 = float(np.float32(h))
     h1 = float(np.float32(h - h0))
@@ -233,7 +233,7 @@ def _launch(kernel, R: int, *args, h: float, dtype: torch.dtype, ndim: int) -> N
     if dtype not in _DEGREE or ndim not in (2, 3):
         raise ValueError(f"step matrices take float32/float64 (..., n, n + 1) with n in (2, 3), got {dtype}, n={ndim}")
     grid = (triton.cdiv(R, _BLOCK),)
-    kernel[grid](*args, *_split(h), R, NDIM=ndim, DEG=_DEGREE[dtype], BLOCK=_BLOCK, num_warps=4)
+    kernel[grid](*args, *split_float(h), R, NDIM=ndim, DEG=_DEGREE[dtype], BLOCK=_BLOCK, num_warps=4)
 
 
 def padded_rows(M: Tensor) -> Tensor:

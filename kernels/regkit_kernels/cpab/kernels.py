@@ -24,7 +24,7 @@ have the same layout. ``planes_ptr`` is ``(C, NDIM + 1, 4)``: row ``f`` of cell 
 planes[c, f, NDIM])`` of ``Tessellation.facet_planes`` (padded in 2D), the barycentric coordinate of vertex ``f``, and
 ``(0, .., 0, 1)`` for facets on the box boundary, whose coordinate is then 1 everywhere (they never stop a piece);
 ``nb_ptr`` is ``(C, 4)`` int32, the neighbour across facet ``f``. The step ``h`` comes as three float32 values
-(``expm._split``). Few, wide memory operations also keep Triton's compile time down (its coalescing pass grows much
+(``expm.split_float``). Few, wide memory operations also keep Triton's compile time down (its coalescing pass grows much
 faster than linearly with the number of loads and atomics in the unrolled backward). Checkpoint ``s = 1 .. S - 1`` is
 the position after ``s K`` steps, ``S = ceil(T / K)`` (the points themselves are checkpoint 0); the checkpoint table
 holds ``(S - 1, B, N, NDIM)``.
@@ -35,7 +35,7 @@ from typing import Any  # noqa: F401  (the type comments of the tuples built in 
 import triton
 import triton.language as tl
 
-from regkit_kernels.cpab.expm import _float64
+from regkit_kernels.cpab.expm import float64_sum
 
 MAX_CROSSINGS = tl.constexpr(8)
 """Facet crossings followed within one step (``regkit.cpab.scheme.MAX_CROSSINGS``)."""
@@ -547,7 +547,7 @@ def cpab_fwd_kernel(
     p = _points_of(perm_ptr, idx, ok, PERMUTED)
     geo = _geometry(geom_ptr, NDIM)
     x0, x1, x2 = _load_points(x_ptr + b * x_batch_stride, p, ok, NDIM)
-    h = _float64(h0, h1, h2).to(x0.dtype)
+    h = float64_sum(h0, h1, h2).to(x0.dtype)
     e_batch = e_ptr + b * C * (4 * NDIM)
     a_batch = a_ptr + b * C * (4 * NDIM)
     S = tl.cdiv(T, K)
@@ -726,7 +726,7 @@ def cpab_bwd_kernel(
     p = _points_of(perm_ptr, idx, ok, PERMUTED)
     geo = _geometry(geom_ptr, NDIM)
     l0, l1, l2 = _load_points(g_ptr + b * N * NDIM, p, ok, NDIM)
-    h = _float64(h0, h1, h2).to(l0.dtype)
+    h = float64_sum(h0, h1, h2).to(l0.dtype)
     e_batch = e_ptr + b * C * (4 * NDIM)
     a_batch = a_ptr + b * C * (4 * NDIM)
     mom_batch = mom_ptr + b * C * (4 * NDIM)

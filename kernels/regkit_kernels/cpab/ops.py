@@ -20,7 +20,7 @@ import triton
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from regkit_kernels.cpab.expm import _split, padded_rows, step_matrices, step_matrices_vjp
+from regkit_kernels.cpab.expm import padded_rows, split_float, step_matrices, step_matrices_vjp
 from regkit_kernels.cpab.kernels import cell_kernel, cpab_bwd_kernel, cpab_fwd_kernel
 from regkit_kernels.launch import interpreter_on, pow2
 
@@ -214,7 +214,7 @@ def cpab_fwd(
     grid, block, nx, ny = _launch_args(points, tess, _BLOCK)
     cpab_fwd_kernel[grid](
         points, points.stride(0), points if order is None else order, E, A, planes, neighbors, geometry, out,
-        _or(checkpoints, points), *_split(h), B, N, E.shape[1], nx, ny, steps, checkpoint_every,
+        _or(checkpoints, points), *split_float(h), B, N, E.shape[1], nx, ny, steps, checkpoint_every,
         NDIM=n, DIVIDE=divide, PERMUTED=order is not None, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return out, checkpoints
@@ -255,7 +255,7 @@ def cpab_bwd(
     cpab_bwd_kernel[grid](
         points, points.stride(0), points if order is None else order, _or(checkpoints, points), grad_out, E, A, planes,
         neighbors, geometry, grad_out if grad_points is None else grad_points, E if grad_E is None else grad_E,
-        E if direct is None else direct, *_split(h), B, N, E.shape[1], nx, ny, steps, checkpoint_every,
+        E if direct is None else direct, *split_float(h), B, N, E.shape[1], nx, ny, steps, checkpoint_every,
         NDIM=n, SEG=segment, SLOTS=-(-checkpoint_every // segment), UNIFORM=UNIFORM and moments, MOMENTS=moments,
         POINTS=point_grad, DIVIDE=divide, PERMUTED=order is not None, BLOCK=block, num_warps=_BWD_WARPS,
         enable_fp_fusion=False,
