@@ -249,7 +249,7 @@ def test_build_config_overrides_the_main_settings() -> None:
         assert stage.similarity.name == "mse" and stage.level_iterations() == (7, 7)
         assert stage.pyramid == base.stages[1].pyramid
     cpab = config.stages[-1]
-    assert isinstance(cpab, CpabStage) and cpab.tessellation == (3, 3) and cpab.steps == 20
+    assert isinstance(cpab, CpabStage) and cpab.tessellation == (3, 3) and cpab.steps == 5
     assert config.device == "cpu"
     schedule = build_config(RunSettings(config="quick-2d", tessellation=(2, 6)), 2).stages[-1]
     assert isinstance(schedule, CpabStage) and schedule.tessellation == (2, 6)
