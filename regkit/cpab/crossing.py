@@ -125,8 +125,12 @@ def piece_vjp(
 
     With ``alpha_j = (A_lin^T)^j lam``, ``b_0 = [x; 1]``, ``b_i = [A_lin^(i-1) v(x); 0]`` and ``w_k = tau^k / k!``:
     ``dL/dx = sum_{k=0..K} w_k alpha_k`` and ``dL/dA = sum_{j=0..K-1} alpha_j c_j^T`` with
-    ``c_j = sum_{i=0..K-1-j} w_{i+j+1} b_i`` (the derivative of ``sum_k w_k Ã^k [x; 1]``, term by term).
+    ``c_j = sum_{i=0..K-1-j} w_{i+j+1} b_i`` (the derivative of ``sum_k w_k Ã^k [x; 1]``, term by term). Summed in
+    float64 (``alpha_j`` grows like ``||A||^j`` while ``w_j`` shrinks like ``tau^j / j!``) and returned in the inputs'
+    dtype.
     """
+    dtype = x.dtype
+    A, x, tau, lam = A.double(), x.double(), tau.double(), lam.double()  # (A^T)^j lam may overflow float32
     n = x.shape[-1]
     K = degree
     lin, lin_t = A[..., :n], A[..., :n].transpose(-1, -2)
@@ -150,7 +154,7 @@ def piece_vjp(
         for i in range(1, K - j):
             c = c + w[i + j + 1].unsqueeze(-1) * b[i]
         grad_A = grad_A + alpha[j].unsqueeze(-1) * c.unsqueeze(-2)
-    return grad_x, grad_A
+    return grad_x.to(dtype), grad_A.to(dtype)
 
 
 def piece_jacobian(A: torch.Tensor, tau: torch.Tensor, J: torch.Tensor, degree: int) -> torch.Tensor:

@@ -97,3 +97,11 @@ def test_hit_times_land_on_the_first_facet_left(shape: tuple[int, ...]) -> None:
     grid = torch.linspace(0, 1, 200, dtype=F64)[:-1]
     along = torch.stack([barycentric(planes[cells[hit]], evaluate(q[:, hit], g * tau[hit])) for g in grid])
     assert (along[:, leaving[hit]] > -1e-12).all()
+
+
+def test_piece_adjoint_is_finite_in_float32_at_high_degree() -> None:
+    A = torch.zeros(1, 2, 3)
+    A[0, 0, 0] = A[0, 1, 1] = 40.0
+    grad_x, grad_A = piece_vjp(A, torch.ones(1, 2), torch.tensor([0.01]), torch.ones(1, 2), 40)
+    assert grad_x.dtype == torch.float32 and torch.isfinite(grad_x).all() and torch.isfinite(grad_A).all()
+    torch.testing.assert_close(grad_x, torch.full((1, 2), float(torch.tensor(0.4).exp())))
