@@ -8,8 +8,8 @@ and accuracy), or with ``TRITON_INTERPRET=1`` on a CPU (accuracy only). Prints:
 * CUDA: first every kernel variant used below, by the GPU tests and by ``python -m benchmarks cpab`` is compiled, in
   parallel processes that fill Triton's cache; then per case (2D 32x32 batch 16, 3D 8^3 batch 8, 3D 16^3 batch 8,
   125,000 points; the 160 x 192 x 224 registration grid, 16^3; T = 50) the ms of the step matrices and their adjoint, of
-  sorting the points by cell, of the forward and backward kernels for two checkpoint spacings on the points in
-  their own order and sorted by cell (what the scattered reads of the step-matrix table cost), of a forward + backward
+  ordering the points (``point_order``), of the forward and backward kernels for two checkpoint spacings on the points
+  in their own order and in that order (what scattered reads and programs taking pieces cost), of a forward + backward
   through ``integrate`` (peak MiB above the inputs) and of the same captured in a CUDA graph (the GPU's time without
   the host's launch overhead), best of 10; and the fixed cost of a call (64 points) with a profile of its host time.
 """
@@ -69,8 +69,8 @@ def _compile(spec: tuple[int, bool, int, bool, bool]) -> str:
     tess = Tessellation((2,) * ndim, (-1.0,) * ndim, (2.0,) * ndim) if divide else Tessellation((2,) * ndim)
     A = 0.1 * torch.randn(2, tess.n_cells, ndim, ndim + 1, device=DEVICE)
     points = torch.rand(64, ndim, device=DEVICE).expand(2, -1, -1)
-    order = fused_ops.point_order(points, tess) if sort else None
     E = fused_step_matrices(A, 0.02)
+    order = fused_ops.point_order(points, E, tess, STEPS) if sort else None
     out, checkpoints = cpab_fwd(points, A, E, tess, 0.02, STEPS, every, order)
     grad_out = torch.randn_like(out)
     _, grad_E, _ = cpab_bwd(points, checkpoints, grad_out, A, E, tess, 0.02, STEPS, every, True, point_grad, order)
@@ -136,9 +136,9 @@ def timings(shape: tuple[int, ...], batch: int, points: int = 125_000) -> None:
         flush=True,
     )
     fused_ops.POINT_ORDERS.clear()
-    sort = ms(lambda: (fused_ops.POINT_ORDERS.clear(), fused_ops.point_order(batched, tess)))
-    order = fused_ops.point_order(batched, tess)
-    print(f"  sorting the points by cell: {sort:.3f} ms" if order is not None else "  points not sorted")
+    sort = ms(lambda: (fused_ops.POINT_ORDERS.clear(), fused_ops.point_order(batched, E, tess, STEPS)))
+    order = fused_ops.point_order(batched, E, tess, STEPS)
+    print(f"  ordering the points: {sort:.3f} ms" if order is not None else "  points not ordered")
     for kernel_order in (None, order) if order is not None else (None,):
         for every in (5, STEPS):
             _, checkpoints = cpab_fwd(batched, A, E, tess, h, STEPS, every, kernel_order)

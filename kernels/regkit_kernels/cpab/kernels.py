@@ -389,13 +389,14 @@ def _hit_time(A, x, K, left, whole, P, leaving, NDIM: tl.constexpr):
 
 
 @triton.jit
-def _walk(a_batch, planes_ptr, nb_ptr, x, cell, leaving, active, h, NDIM: tl.constexpr):
+def _walk(a_batch, planes_ptr, nb_ptr, x, y, cell, leaving, active, h, NDIM: tl.constexpr):
     """The pieces of the steps that the lanes ``active`` take from ``x`` in ``cell`` for the time ``h`` (their regular
-    steps leave ``cell`` through the facets ``leaving``), as ``regkit.cpab.scheme.take_step``: each piece the flow of
-    its cell to the first facet hit, the last (the first that ends in its cell, or piece ``MAX_CROSSINGS``) for the
-    time left. Returns the end points, the number of pieces (0 where not ``active``) and, as shift registers of
+    steps end at ``y``, past the facets ``leaving`` of ``cell``), as ``regkit.cpab.scheme.take_step``: each piece the
+    flow of its cell to the first facet hit, the last (the first that ends in its cell, or piece ``MAX_CROSSINGS``)
+    for the time left. Returns the end points, the number of pieces (0 where not ``active``) and, as shift registers of
     ``MAX_CROSSINGS + 1`` entries (entry ``r``: piece ``r``), each piece's hit time (its duration, but for the last
-    piece) and the facet it left through: what :func:`_replay` needs."""
+    piece) and the facet it left through: what :func:`_replay` needs. The first piece's hit times start from the
+    regular step's end (the cell's exact flow for ``h``, as the Taylor polynomial's, to rounding)."""
     start = x
     left = tl.zeros_like(x[0]) + h
     out = x
@@ -409,8 +410,10 @@ def _walk(a_batch, planes_ptr, nb_ptr, x, cell, leaving, active, h, NDIM: tl.con
             A = _rows(a_batch, cell, NDIM)
             P = _rows(planes_ptr, cell, NDIM + 1)
             K = _degree(tl.where(active, left * _linear_norm(A, NDIM), 0.0))
-            whole, _v = _flow(A, start, left, K, NDIM, False)
-            if r > 0:  # the first piece leaves through the facets its regular step left through
+            if r == 0:  # the first piece leaves through the facets its regular step left through
+                whole = y
+            else:
+                whole, _v = _flow(A, start, left, K, NDIM, False)
                 leaving = _outside(P, whole, NDIM)
             done = (r == MAX_CROSSINGS) | ~_any(leaving, NDIM + 1)
             go = active & ~done
@@ -482,7 +485,8 @@ def _step(
     count = tl.zeros_like(cell)
     if tl.max(crossing.to(tl.int32), axis=0) > 0:
         x = _vec(x0, x1, x2, NDIM)
-        end, count, _taus, _facets = _walk(a_batch, planes_ptr, nb_ptr, x, cell, leaving, crossing, h, NDIM)
+        y = _vec(y0, y1, y2, NDIM)
+        end, count, _taus, _facets = _walk(a_batch, planes_ptr, nb_ptr, x, y, cell, leaving, crossing, h, NDIM)
         y0, y1 = tl.where(crossing, end[0], y0), tl.where(crossing, end[1], y1)
         if NDIM == 3:
             y2 = tl.where(crossing, end[2], y2)
@@ -530,6 +534,69 @@ def cell_kernel(x_ptr, geom_ptr, out_ptr, N, NX, NY, NDIM: tl.constexpr, DIVIDE:
     ok = idx < N
     x0, x1, x2 = _load_points(x_ptr, idx, ok, NDIM)
     tl.store(out_ptr + idx, _locate(x0, x1, x2, _geometry(geom_ptr, NDIM), NX, NY, NDIM, DIVIDE), mask=ok)
+
+
+@triton.jit(do_not_specialize=["B", "N", "C", "NX", "NY", "T"])
+def crossing_step_kernel(
+    x_ptr, perm_ptr, e_ptr, planes_ptr, geom_ptr, bucket_ptr, count_ptr, B, N, C, NX, NY, T, NDIM: tl.constexpr,
+    DIVIDE: tl.constexpr, BUCKETS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """A prediction of the step at which each point first crosses a facet, to group the points that take pieces at
+    the same steps (``ops.point_order``). Lane ``i`` takes the shared point ``x[perm[i]]`` (``x (N, NDIM)``) and
+    applies its starting cell's regular step ``E_c [y; 1]`` ``T`` times (the exact in-cell flow, which is the point's
+    flow until it leaves ``c``); the first step whose end is past an interior facet, the smallest over the batch's
+    ``E (B, C, NDIM, 4)``, or ``T`` for none, goes in ``bucket (N,)`` as ``first (BUCKETS - 1) // T`` (``BUCKETS - 1``
+    for none); ``count (BUCKETS, programs)`` gets each program's number of lanes per bucket."""
+    pid = tl.program_id(0)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < N
+    p = tl.load(perm_ptr + idx, mask=ok, other=0)
+    geo = _geometry(geom_ptr, NDIM)
+    x0, x1, x2 = _load_points(x_ptr, p, ok, NDIM)
+    cell = _locate(x0, x1, x2, geo, NX, NY, NDIM, DIVIDE)
+    P = _rows(planes_ptr, cell, NDIM + 1)
+    first = tl.full([BLOCK], T, tl.int32)
+    for b in range(B):
+        e = e_ptr + b * C * (4 * NDIM) + cell * (4 * NDIM)
+        E0 = _load_row(e)
+        E1 = _load_row(e + 4)
+        if NDIM == 3:
+            E2 = _load_row(e + 8)
+        else:
+            E2 = E1
+        y0, y1, y2 = x0, x1, x2
+        for s in range(T):
+            if tl.max((first > s).to(tl.int32), axis=0) > 0:
+                z0 = _affine_row(E0[0], E0[1], E0[2], E0[3], y0, y1, y2, NDIM)
+                z1 = _affine_row(E1[0], E1[1], E1[2], E1[3], y0, y1, y2, NDIM)
+                if NDIM == 3:
+                    y2 = _affine_row(E2[0], E2[1], E2[2], E2[3], y0, y1, y2, NDIM)
+                y0, y1 = z0, z1
+                left = _any(_outside(P, _vec(y0, y1, y2, NDIM), NDIM), NDIM + 1)
+                first = tl.where(left & (first > s), s, first)
+    bucket = tl.where(first < T, first * (BUCKETS - 1) // T, BUCKETS - 1)
+    tl.store(bucket_ptr + idx, bucket, mask=ok)
+    programs = tl.num_programs(0)
+    for j in tl.static_range(BUCKETS):
+        tl.store(count_ptr + j * programs + pid, tl.sum(((bucket == j) & ok).to(tl.int32), axis=0))
+
+
+@triton.jit(do_not_specialize=["N"])
+def partition_kernel(
+    perm_ptr, bucket_ptr, offset_ptr, out_ptr, N, BUCKETS: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """``out (N,)``: ``perm`` stably partitioned by ``bucket`` (the layout of :func:`crossing_step_kernel`);
+    ``offset (BUCKETS, programs)`` holds the exclusive prefix sums of its counts, bucket-major."""
+    pid = tl.program_id(0)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < N
+    p = tl.load(perm_ptr + idx, mask=ok, other=0)
+    bucket = tl.load(bucket_ptr + idx, mask=ok, other=-1)
+    programs = tl.num_programs(0)
+    for j in tl.static_range(BUCKETS):
+        mine = (bucket == j).to(tl.int32)
+        rank = tl.load(offset_ptr + j * programs + pid) + tl.cumsum(mine, axis=0) - 1
+        tl.store(out_ptr + rank, p, mask=mine > 0)
 
 
 @triton.jit(do_not_specialize=_SIZES)
@@ -633,10 +700,11 @@ def _pieces_vjp(
     in ``direct`` (atomics). The step is walked again (bit for bit: :func:`_walk` is per lane) and piece ``p`` replayed
     from the step's start (:func:`_replay`). Returns ``lambda`` at the step's start (``l2`` ignored in 2D); lanes
     with ``count == 0`` keep theirs."""
-    _y0, _y1, _y2, leaving = _regular(e_batch, planes_ptr, x0, x1, x2, cell, NDIM)
+    y0, y1, y2, leaving = _regular(e_batch, planes_ptr, x0, x1, x2, cell, NDIM)
     x = _vec(x0, x1, x2, NDIM)
     lam = _vec(l0, l1, l2, NDIM)
-    _end, _count, taus, facets = _walk(a_batch, planes_ptr, nb_ptr, x, cell, leaving, count > 0, h, NDIM)
+    y = _vec(y0, y1, y2, NDIM)
+    _end, _count, taus, facets = _walk(a_batch, planes_ptr, nb_ptr, x, y, cell, leaving, count > 0, h, NDIM)
     pieces = tl.max(count, axis=0)
     for i in range(pieces):
         p = pieces - 1 - i

@@ -241,7 +241,8 @@ def test_shared_points_and_partial_gradients(ndim, sort, monkeypatch):
     basis, theta, _ = case(ndim, 1, "free", F64, _device(), batch=2)
     theta = 0.3 * theta
     shared = _points(basis.tess, 4, 12, 1, F64, ndim)[0]
-    order = ops.point_order(shared.expand(2, -1, -1), basis.tess)
+    A = basis.to_A(theta)
+    order = ops.point_order(shared.expand(2, -1, -1), step_matrices(A, 1 / 3), basis.tess, 3)
     assert (order is not None) == sort
     if sort:
         assert not torch.equal(order.long().cpu(), torch.arange(len(order)))
@@ -252,7 +253,6 @@ def test_shared_points_and_partial_gradients(ndim, sort, monkeypatch):
     got = _gradients(shared, theta, basis, grad, "triton", 3, 8)
     for name, g, w in zip(("end points", "dL/dpoints", "dL/dtheta"), got, want, strict=True):
         assert_relative_close(g, w, _tol(F64), name)
-    A = basis.to_A(theta)
     p = shared.detach().requires_grad_(True)
     (only_points,) = torch.autograd.grad(integrate(p, A, basis.tess, steps=3, backend="triton"), p, grad)
     _assert_same(only_points, got[1], "dL/dpoints alone")
@@ -260,6 +260,39 @@ def test_shared_points_and_partial_gradients(ndim, sort, monkeypatch):
     out = integrate(shared, basis.to_A(th), basis.tess, steps=3, backend="triton")
     (only_theta,) = torch.autograd.grad(out, th, grad)
     _assert_same(only_theta, got[2], "dL/dtheta alone")
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_point_order_groups_points_by_predicted_crossing_step(ndim, monkeypatch):
+    """``point_order`` is the cell order stably partitioned by the first step at which the starting cell's exact
+    flow (its regular steps, repeated) leaves the cell, the earliest over the batch: checked against that definition
+    in PyTorch, over several programs."""
+    import regkit_kernels.cpab.ops as ops
+
+    monkeypatch.setattr(ops, "SORT_MIN", 0)
+    monkeypatch.setattr(ops, "INTERPRETER_BLOCK", 16)
+    basis, theta, _ = case(ndim, 1, "zero", F64, _device(), batch=2)
+    tess, steps = basis.tess, 4
+    A = basis.to_A(0.5 * theta)
+    points = _points(tess, 4, 12, 1, F64, ndim)[0].expand(2, -1, -1)
+    E = step_matrices(A, 1 / steps)
+    order = ops.point_order(points, E, tess, steps)
+    assert order is not None
+    by_cell = ops.cell_order(points, tess).long().cpu()
+    planes, neighbors = tess.facet_planes()
+    x = points[0].cpu()
+    cells = tess.locate(x)
+    first = torch.full((len(x),), steps)
+    for b in range(2):
+        y = x
+        for s in range(steps):
+            y = scheme.affine(E[b].cpu()[cells], y)
+            left = ((crossing.barycentric(planes[cells], y) < 0) & (neighbors[cells] >= 0)).any(-1)
+            first = torch.where(left & (first > s), s, first)
+    bucket = torch.where(first < steps, first * (ops._BUCKETS - 1) // steps, ops._BUCKETS - 1)[by_cell]
+    want = by_cell[torch.sort(bucket, stable=True).indices]
+    assert 0 < int((first < steps).sum()) < len(x)
+    assert torch.equal(order.long().cpu(), want)
 
 
 @pytest.mark.parametrize("ndim,which", [(2, 1), (2, 2), (3, 2)])
