@@ -75,13 +75,13 @@ def case(cells: int, ndim: int, batch: int, grid: bool) -> None:
     say(f"\n{ndim}D {cells}^{ndim} batch {batch}, {name}, T {T}: {crossings:.2f} crossings per point")
     say(f"  point_order (the cell order cached): {ordering:.3f} ms")
     for block in ((32, 1), (64, 2), (128, 4)):
-        ops._BLOCK, ops._NUM_WARPS = block
+        ops.FORWARD_BLOCK, ops.FORWARD_WARPS = block
         for label, o in (("own order", None), ("cell order", by_cell), ("point_order", order)):
             _, ck = cpab_fwd(x, A, E, tess, h, T, 5, o)
             f = ms(lambda o=o: cpab_fwd(x, A, E, tess, h, T, 5, o))
             b = ms(lambda o=o, ck=ck: cpab_bwd(x, ck, w, A, E, tess, h, T, 5, True, False, o))
             say(f"  forward programs of {block[0]} points, {label}: forward {f:.3f} ms, backward {b:.3f} ms")
-    ops._BLOCK, ops._NUM_WARPS = 32, 1
+    ops.FORWARD_BLOCK, ops.FORWARD_WARPS = 32, 1
     say(f"  forward kernel: {registers(kernels.cpab_fwd_kernel)}")
     say(f"  backward kernel: {registers(kernels.cpab_bwd_kernel)}")
 

@@ -43,11 +43,12 @@ POINT_ORDERS: dict[tuple[Any, ...], Tensor] = {}
 """The cell orders of the last few point tensors, as :func:`cell_order` computed them (any order gives the same
 results); clear it to make the next call sort again."""
 
-# Points per program of the forward kernel on the GPU: one warp, so that only the warps with a point that crosses a
-# facet take a step's pieces (the 160 x 192 x 224 grid at 16^3, 5 steps, in the order of point_order: 2.8 ms, against
-# 4.8 with programs of 2 warps and 5.8 with 4).
-_BLOCK = 32
-_NUM_WARPS = 1
+FORWARD_BLOCK = 32
+"""Points per program of the forward kernel on the GPU."""
+FORWARD_WARPS = 1
+"""Warps per forward program: one, so that only the warps with a point that crosses a facet take a step's pieces
+(the 160 x 192 x 224 grid at 16^3, 5 steps, in the order of point_order: 2.65 ms on an H200, against 4.8 with programs
+of 2 warps and 5.8 with 4; ``benchmarks/scripts/cpab_order.py`` times the shapes)."""
 _ORDER_BLOCK = 1024  # points per program of the ordering kernels
 _BUCKETS = 16  # groups of predicted first-crossing steps in point_order
 # The backward kernel's programs are one warp, with the program-wide flush skip (``UNIFORM``): a reduction over a
@@ -251,11 +252,11 @@ def cpab_fwd(
     planes, neighbors = _facets(tess, points.dtype, points.device)
     out = points.new_empty((B, N, n))
     checkpoints = points.new_empty((-(-steps // checkpoint_every) - 1, B, N, n))
-    grid, block, nx, ny = _launch_args(points, tess, _BLOCK)
+    grid, block, nx, ny = _launch_args(points, tess, FORWARD_BLOCK)
     cpab_fwd_kernel[grid](
         points, points.stride(0), points if order is None else order, E, A, planes, neighbors, geometry, out,
         _or(checkpoints, points), *split_float(h), B, N, E.shape[1], nx, ny, steps, checkpoint_every,
-        NDIM=n, DIVIDE=divide, PERMUTED=order is not None, BLOCK=block, num_warps=_NUM_WARPS, enable_fp_fusion=False,
+        NDIM=n, DIVIDE=divide, PERMUTED=order is not None, BLOCK=block, num_warps=FORWARD_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return out, checkpoints
 
