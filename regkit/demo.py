@@ -19,8 +19,6 @@ import importlib.util
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from regkit import _atomic
 from regkit.errors import RegkitError
 from regkit.io import Image, read_image
 from regkit.registration import Progress
@@ -310,8 +309,8 @@ def run_demo(
     pair = demo_pair()
     say(f"  pair and AAL labels generated in {time.perf_counter() - start:.1f} s; registering on {device} ...")
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.inputs-", dir=out.parent))
-    try:  # the inputs join the outputs only once those are complete: an error or Ctrl-C leaves nothing
+    # the inputs join the outputs, recorded as regkit's, only once those are complete: an error or Ctrl-C leaves nothing
+    with _atomic.staging(out.parent, f".{out.name}.inputs-") as staging:
         for name in ("fixed", "moving", "fixed_labels", "moving_labels"):
             write_image(getattr(pair, name), staging / f"{name}.nii.gz")
         flush = None
@@ -323,11 +322,13 @@ def run_demo(
             flush()
         say(f"  registered in {result.seconds:.1f} s; writing the outputs ...")
         write_outputs(
-            result, out, moving_labels=pair.moving_labels, fixed_labels=pair.fixed_labels, overwrite=overwrite
+            result,
+            out,
+            moving_labels=pair.moving_labels,
+            fixed_labels=pair.fixed_labels,
+            overwrite=overwrite,
+            extra={"inputs": staging},
         )
-        os.replace(staging, out / "inputs")
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
     metrics = json.loads((out / OUTPUT_FILES["metrics"]).read_text())
     labels = metrics["labels"]["labels"]

@@ -59,7 +59,8 @@ def _register_job(job: Job) -> str:
         job.out_dir,
         moving_labels=inputs.moving_labels,
         fixed_labels=inputs.fixed_labels,
-        overwrite=True,
+        overwrite=True,  # a rerun replaces the job's earlier output folder, never one holding other files or inputs
+        inputs=job.inputs.values(),
     )
     return result.device
 

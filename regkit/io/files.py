@@ -30,8 +30,6 @@ import contextlib
 import gzip
 import io
 import os
-import shutil
-import tempfile
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -42,6 +40,7 @@ import numpy as np
 import SimpleITK as sitk
 import torch
 
+from regkit import _atomic
 from regkit.errors import (
     GeometryError,
     ImageReadError,
@@ -353,17 +352,12 @@ def write_image(image: Image, path: str | os.PathLike) -> Path:
     if not folder.is_dir():
         raise ImageWriteError(f"cannot write {path}: folder {folder} does not exist")
     try:
-        staging = Path(tempfile.mkdtemp(prefix=".regkit-tmp-", dir=folder))
-    except OSError as err:
-        raise ImageWriteError(f"cannot write {path}: {err.strerror}") from err
-    try:
-        sitk.WriteImage(itk_image, str(staging / path.name), useCompression=fmt in ("MetaImage", "NRRD"))
-        for written in sorted(staging.iterdir(), key=lambda p: p.name == path.name):
-            os.replace(written, folder / written.name)
+        with _atomic.staging(folder, ".regkit-tmp-") as staging:
+            sitk.WriteImage(itk_image, str(staging / path.name), useCompression=fmt in ("MetaImage", "NRRD"))
+            for written in sorted(staging.iterdir(), key=lambda p: p.name == path.name):
+                os.replace(written, folder / written.name)
     except (RuntimeError, OSError) as err:
         raise ImageWriteError(f"cannot write {path}: {_one_line(err)[-200:]}") from err
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return path
 
 

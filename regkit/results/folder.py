@@ -19,21 +19,33 @@ written when their flag is true:
 * ``metrics.json``: similarity before/after, Dice/HD95, folds, SDlogJ, runtime, memory, ...
   (:mod:`regkit.results.metrics`);
 * ``config.yaml``: the resolved configuration (:func:`~regkit.config.dump_config`);
-* ``qc.png``: the quality-control picture of :func:`~regkit.results.qc.qc_picture` [``qc_png``].
+* ``qc.png``: the quality-control picture of :func:`~regkit.results.qc.qc_picture` [``qc_png``];
+* ``.regkit-outputs.json``: the record of what regkit wrote into the folder (``{"files": [NAME, ...]}``), written
+  last; it is how ``overwrite`` recognises a folder that regkit wrote.
 
-Atomicity: everything is written into a temporary folder beside the output folder, which is renamed into place only
-when complete; an existing folder is replaced (with ``overwrite``) only after the new one is complete, and only if it is
-empty or a regkit output folder (holds ``transform.json``). On any error, or Ctrl-C, the temporary folder is removed, so
-no half-written output ever exists.
+Atomicity: everything is written into a temporary folder beside the output folder (created exclusively, with a name
+nobody can predict), which is renamed into place only when complete; an existing folder is replaced (with
+``overwrite``) only after the new one is complete, and only if it is empty or holds nothing but what regkit wrote there
+(the names in its record; in a folder of an earlier regkit, which kept no record, the names of :data:`OUTPUT_FILES`,
+with ``transform.json`` among them). Of the replaced folder only regkit's files are deleted: a file put there in the
+meantime is kept (the old folder stays, renamed, and a warning says where). On any error, or Ctrl-C, the temporary
+folder is removed, so no half-written output ever exists.
+
+Never over an input: :func:`check_output_dir` refuses to replace a folder that holds one of the run's inputs, and
+:func:`check_output_file` (the commands that write one file) an output that is one of them (same real path, so
+symlinks and relative paths count, or the same file).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import tempfile
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from regkit import _atomic
 from regkit.config import dump_config
 from regkit.errors import ImageDimensionError, RegkitError
 from regkit.io.files import write_image
@@ -58,7 +71,14 @@ from regkit.spatial.metrics import jacobian_determinant
 if TYPE_CHECKING:
     from regkit.registration import RegistrationResult
 
-__all__ = ["OUTPUT_FILES", "OutputExistsError", "check_output_dir", "read_moving_grid", "write_outputs"]
+__all__ = [
+    "OUTPUT_FILES",
+    "OutputExistsError",
+    "check_output_dir",
+    "check_output_file",
+    "read_moving_grid",
+    "write_outputs",
+]
 
 OUTPUT_FILES: dict[str, str] = {
     "warped": "warped.nii.gz",
@@ -72,33 +92,127 @@ OUTPUT_FILES: dict[str, str] = {
     "metrics": "metrics.json",
     "config": "config.yaml",
     "qc": "qc.png",
+    "record": ".regkit-outputs.json",
 }
 """Output key -> file name inside the output folder (fixed; never depends on options)."""
 
 _WRITERS = 4  # threads writing image files while the next outputs are computed
+_NAMED = 3  # foreign files named in an error
 
 
 class OutputExistsError(RegkitError):
-    """The output folder exists and overwriting was not asked for."""
+    """The output exists and overwriting was not asked for, or would lose what regkit did not write."""
 
 
-def check_output_dir(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
-    """The output folder as an absolute, normalised Path, after checking that it may be written.
+def check_output_dir(
+    out_dir: str | os.PathLike, overwrite: bool = False, inputs: Iterable[str | os.PathLike | None] = ()
+) -> Path:
+    """The output folder as an absolute, normalised Path, after checking that it may be written (module docstring).
 
     Raises :class:`OutputExistsError` if it exists and ``overwrite`` is False, or if ``overwrite`` would replace a
-    non-empty folder that is not a regkit output (no ``transform.json``), and :class:`RegkitError` if it is a file.
+    folder that holds files regkit did not write (the first few named) or one of ``inputs`` (paths; None is skipped),
+    and :class:`RegkitError` if it is not a folder, or if it cannot be created or written (its nearest existing folder
+    is a file or not writable), so that a run finds out before it works.
     """
     out = Path(os.path.abspath(out_dir))
-    if out.exists() and not out.is_dir():
+    if os.path.lexists(out) and not out.is_dir():
         raise RegkitError(f"output {out_dir} exists and is not a folder; choose another -o")
-    if out.exists() and not overwrite:
-        raise OutputExistsError(f"output folder {out_dir} exists; use --overwrite to replace it, or choose another -o")
-    if out.exists() and any(out.iterdir()) and not (out / OUTPUT_FILES["transform"]).is_file():
-        raise OutputExistsError(
-            f"output folder {out_dir} is not empty and holds no {OUTPUT_FILES['transform']}: not a regkit output "
-            "folder, so --overwrite does not replace it; choose another -o"
-        )
+    if out.exists():
+        if not overwrite:
+            raise OutputExistsError(
+                f"output folder {out_dir} exists; use --overwrite to replace it, or choose another -o"
+            )
+        real = Path(os.path.realpath(out))
+        for source in inputs:
+            if source is not None and Path(os.path.realpath(source)).is_relative_to(real):
+                raise OutputExistsError(
+                    f"output folder {out_dir} holds the input {source}; regkit never writes over its inputs, so "
+                    "--overwrite does not replace it; choose another -o"
+                )
+        foreign = _foreign_entries(out)
+        if foreign:
+            raise OutputExistsError(
+                f"output folder {out_dir} is not a regkit output folder: it holds files that regkit did not write "
+                f"({_first_few(foreign)}), so --overwrite does not replace it; move them or choose another -o"
+            )
+    _check_writable(out, out_dir)
     return out
+
+
+def check_output_file(
+    path: str | os.PathLike, overwrite: bool = False, inputs: Iterable[str | os.PathLike | None] = ()
+) -> Path:
+    """The output file of a command as an absolute, normalised Path, after checking that it may be written.
+
+    Raises :class:`OutputExistsError` if it is one of ``inputs`` (paths; None is skipped; the same real path or the
+    same file), even with ``overwrite``, or if it exists (a symlink counts, even a broken one) and ``overwrite`` is
+    False, and :class:`RegkitError` if it is a folder or its folder does not exist or is not writable.
+    """
+    out = Path(os.path.abspath(path))
+    for source in inputs:
+        if source is not None and _same_file(out, Path(source)):
+            raise OutputExistsError(
+                f"output {path} is the input {source}; regkit never writes over its inputs, even with --overwrite; "
+                "choose another -o"
+            )
+    if out.is_dir():
+        raise RegkitError(f"output {path} is a folder; give a file name as -o")
+    if os.path.lexists(out) and not overwrite:
+        raise OutputExistsError(f"output file {path} exists; use --overwrite to replace it, or choose another -o")
+    if not out.parent.is_dir():
+        raise RegkitError(f"cannot write {path}: folder {out.parent} does not exist")
+    _check_writable(out.parent, path)
+    return out
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file: the same real path, or (both existing) the same inode (hard links)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist
+        return False
+
+
+def _check_writable(out: Path, given: str | os.PathLike) -> None:
+    """RegkitError unless the nearest existing folder at or above ``out`` (its parent if ``out`` exists: where the
+    temporaries go) is a folder this process may create entries in."""
+    where = out.parent if out.exists() else out
+    while not os.path.lexists(where):
+        where = where.parent
+    if not where.is_dir():
+        raise RegkitError(f"cannot write the output {given}: {where} is not a folder")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise RegkitError(f"cannot write the output {given}: no permission to write in {where}")
+
+
+def _regkit_entries(folder: Path) -> set[str]:
+    """The names in ``folder`` that regkit wrote: those of its record and the record; in a folder without a record
+    (written by an earlier regkit, which kept none), the names of :data:`OUTPUT_FILES` if it holds
+    ``transform.json``; none if the record cannot be read."""
+    record = folder / OUTPUT_FILES["record"]
+    try:
+        names = json.loads(record.read_text())["files"]
+    except FileNotFoundError:
+        return set(OUTPUT_FILES.values()) if (folder / OUTPUT_FILES["transform"]).is_file() else set()
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        return set()
+    return {*names, record.name}
+
+
+def _first_few(names: list[str]) -> str:
+    """The first :data:`_NAMED` of ``names`` and how many more, for an error message."""
+    more = len(names) - _NAMED
+    return ", ".join(names[:_NAMED]) + (f" and {more} more" if more > 0 else "")
+
+
+def _foreign_entries(folder: Path) -> list[str]:
+    """The names in ``folder`` that regkit did not write, sorted."""
+    ours = _regkit_entries(folder)
+    return sorted(name for name in os.listdir(folder) if name not in ours)
 
 
 def read_moving_grid(result_dir: str | os.PathLike) -> Grid:
@@ -120,6 +234,8 @@ def write_outputs(
     moving_labels: Image | None = None,
     fixed_labels: Image | None = None,
     overwrite: bool = False,
+    extra: Mapping[str, Path] | None = None,
+    inputs: Iterable[str | os.PathLike | None] = (),
 ) -> dict[str, Path]:
     """Write a registration's outputs into ``out_dir`` (module docstring: names, conventions, atomicity).
 
@@ -130,19 +246,24 @@ def write_outputs(
             interpolation into ``warped_labels.nii.gz``.
         fixed_labels: optional label map of the fixed image (resampled onto the fixed grid, nearest, if its grid
             differs); with ``moving_labels``, Dice and HD95 go into ``metrics.json``.
-        overwrite: replace an existing ``out_dir`` (only once the new outputs are complete).
+        overwrite: replace an existing ``out_dir`` (only once the new outputs are complete, and only if it holds
+            nothing but regkit's outputs).
+        extra: name -> a file or folder on the output folder's file system, moved into it under that name with the
+            outputs (so that it appears only with them) and recorded as regkit's (the demo's generated inputs).
+        inputs: the paths the run read (None is skipped): an existing ``out_dir`` that holds one is not replaced.
 
     Returns:
         Output key (:data:`OUTPUT_FILES`) -> path of every file written.
 
     Raises:
-        OutputExistsError: ``out_dir`` exists and ``overwrite`` is False.
+        OutputExistsError: ``out_dir`` exists and ``overwrite`` is False, or it holds files that regkit did not write
+            or one of ``inputs`` (:func:`check_output_dir`).
         ImageValueError: a label map holds non-integer values.
         ImageDimensionError: a label map's dimension differs from the images'.
     """
     start = time.perf_counter()
     peak_memory = measure_peak_memory(result)  # before writing: the registration's peak, not the writer's
-    out = check_output_dir(out_dir, overwrite)
+    out = check_output_dir(out_dir, overwrite, inputs)
     ndim = result.fixed.ndim
     labels = {}
     for name, image in (("moving labels", moving_labels), ("fixed labels", fixed_labels)):
@@ -151,19 +272,18 @@ def write_outputs(
                 raise ImageDimensionError(f"the {name} are {image.ndim}D but the images are {ndim}D")
             labels[name] = as_label_map(image, f"the {name}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with _atomic.staging(out.parent, f"{out.name}.tmp-") as tmp:  # batch runs remove such folders left by a kill
         # image files are written by threads while the next outputs are computed (compressing a 1 mm brain's fields
         # takes seconds each; SimpleITK releases the GIL while it writes); the pool waits for them before closing
         with ThreadPoolExecutor(max_workers=_WRITERS) as pool:
             moving, fixed = labels.get("moving labels"), labels.get("fixed labels")
             written = _write_all(pool, result, tmp, moving, fixed, start, peak_memory)
+        for name, path in (extra or {}).items():
+            os.replace(path, tmp / name)
+        record = {"files": sorted([*(path.name for path in written.values()), *(extra or {})])}
+        written["record"] = tmp / OUTPUT_FILES["record"]
+        written["record"].write_text(json.dumps(record, indent=1))
         _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {key: out / path.name for key, path in written.items()}
 
 
@@ -246,16 +366,48 @@ def _write_all(
 
 
 def _replace(tmp: Path, out: Path) -> None:
-    """Move the complete folder ``tmp`` to ``out``; an existing ``out`` is removed only after the move succeeded."""
-    old = None
-    if out.exists():
-        old = out.with_name(f"{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
+    """Move the complete folder ``tmp`` to ``out``. An existing ``out`` is first moved aside, into a new folder of its
+    own (so that no planted name is in the way); if files that regkit did not write appeared in it since
+    :func:`check_output_dir`, it is put back and OutputExistsError raised; regkit's files in it are deleted only after
+    the move succeeded (:func:`_remove_outputs`)."""
+    if not os.path.lexists(out):
+        os.replace(tmp, out)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    old = aside / out.name
+    os.replace(out, old)
     try:
+        foreign = [] if old.is_symlink() else _foreign_entries(old)
+        if foreign:
+            raise OutputExistsError(
+                f"output folder {out} now holds files that regkit did not write ({_first_few(foreign)}); "
+                "it was left as it was"
+            )
         os.replace(tmp, out)
     except BaseException:
-        if old is not None:
-            os.replace(old, out)
+        os.replace(old, out)
+        aside.rmdir()
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    _remove_outputs(old)
+
+
+def _remove_outputs(old: Path) -> None:
+    """Delete the replaced output folder ``old`` and the folder it was moved into: the link, if it was a symlink (the
+    folder it points to is left alone), else regkit's entries in it, and the folders once empty. Anything else (put
+    there during the swap) is kept where it is, and a warning says where."""
+    if old.is_symlink():
+        old.unlink()
+    else:
+        ours = _regkit_entries(old)
+        for entry in old.iterdir():
+            if entry.name in ours:
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+        with contextlib.suppress(OSError):
+            old.rmdir()
+    if os.path.lexists(old):
+        warnings.warn(f"files that regkit did not write were kept in {old}", stacklevel=4)
+    else:
+        old.parent.rmdir()

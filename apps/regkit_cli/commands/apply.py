@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from regkit_cli.options import Overwrite
+
 
 class Interpolation(str, Enum):
     """Resampling interpolation: linear for intensities, nearest for label maps."""
@@ -26,12 +28,14 @@ def apply(
     interp: Annotated[
         Interpolation, typer.Option(help="linear for intensities (float output), nearest for label maps (type kept).")
     ] = Interpolation.linear,
+    overwrite: Overwrite = False,
 ) -> None:
     """Resample IMAGE onto REFERENCE's grid through a saved transformation (pull-back: out(x) = image(T(x)))."""
     from regkit.io import apply_itk_transform, read_image, write_image
-    from regkit.results import resample
+    from regkit.results import check_output_file, resample
     from regkit_cli.transforms import load_transform
 
+    check_output_file(output, overwrite, inputs=[transform, image, reference])
     source = read_image(image)
     grid = read_image(reference).grid
     if transform.suffix == ".json":

@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from regkit_cli.options import Overwrite
+
 
 class ExportFormat(str, Enum):
     """Displacement-field conventions that ``regkit export`` writes."""
@@ -40,6 +42,7 @@ def export(
         Path | None,
         typer.Option("--reference", "-r", help="The moving image (its grid); default: the recorded moving grid."),
     ] = None,
+    overwrite: Overwrite = False,
 ) -> None:
     """Export the transformation in another tool's convention.
 
@@ -48,7 +51,8 @@ def export(
     """
     from regkit.errors import RegkitError
     from regkit.io import write_learn2reg
-    from regkit_cli.transforms import load_transform, moving_grid
+    from regkit.results import check_output_file
+    from regkit_cli.transforms import load_transform, moving_grid, source_files
 
     path = output
     if not output.name.endswith((".nii.gz", ".nii")):
@@ -56,5 +60,6 @@ def export(
             raise RegkitError(f"{output} is a folder: give --fixed-id and --moving-id, or an output file name .nii.gz")
         output.mkdir(parents=True, exist_ok=True)
         path = output / f"disp_{_case_id(fixed_id)}_{_case_id(moving_id)}.nii.gz"
+    check_output_file(path, overwrite, inputs=source_files(source, reference))
     write_learn2reg(load_transform(source), moving_grid(source, reference), path)
     typer.echo(str(path))

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from regkit_cli.options import Overwrite
+
 
 def invert(
     source: Annotated[Path, typer.Argument(help="A result folder of `regkit register`, or its transform.json.")],
@@ -19,10 +21,13 @@ def invert(
             "--reference", "-r", help="Image whose grid the inverse is evaluated on; default: the recorded moving grid."
         ),
     ] = None,
+    overwrite: Overwrite = False,
 ) -> None:
     """Write the inverse transformation as an ITK displacement field on the moving grid (moving -> fixed, LPS mm)."""
     from regkit.io import write_displacement
-    from regkit_cli.transforms import load_transform, moving_grid
+    from regkit.results import check_output_file
+    from regkit_cli.transforms import load_transform, moving_grid, source_files
 
+    check_output_file(output, overwrite, inputs=source_files(source, reference))
     grid = moving_grid(source, reference)
     write_displacement(load_transform(source).inverse_displacement(grid), grid, output)

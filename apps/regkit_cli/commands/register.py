@@ -17,7 +17,8 @@ def register(
         typer.Option(
             "--config",
             "-c",
-            help="A preset name or a YAML file; default: brain-mri-3d for 3D images, histology-2d for 2D images.",
+            help="A preset name or a YAML file; default: brain-mri-3d for 3D images, image-2d for 2D images (both "
+            "detect multi-modal pairs).",
         ),
     ] = None,
     moving_labels: Annotated[
@@ -64,7 +65,8 @@ def register(
     from regkit.results import OUTPUT_FILES, check_output_dir, field_of_view_overlap, write_outputs
     from regkit_cli.terminal import RegistrationBar, summary_lines
 
-    check_output_dir(output, overwrite)
+    given = (fixed, moving, fixed_labels, moving_labels, fixed_mask, moving_mask)  # never written over
+    check_output_dir(output, overwrite, inputs=given)
     inputs = read_registration_inputs(
         fixed,
         moving,
@@ -107,6 +109,7 @@ def register(
             moving_labels=inputs.moving_labels,
             fixed_labels=inputs.fixed_labels,
             overwrite=overwrite,
+            inputs=given,
         )
     except KeyboardInterrupt:
         typer.echo(f"interrupted: nothing was written to {output}", err=True)

@@ -61,7 +61,7 @@ def train_features(
     cfg = load_training_config(config)
     if threads is not None:
         torch.set_num_threads(threads)
-    check_output(output, resume)
+    check_output(output, resume, cfg.dim)
     volume = brain_label_volume(cfg.synthesis.source_spacing, labels)
     console = Console(stderr=True)
     bars = Progress(

@@ -36,6 +36,7 @@ written with every checkpoint; :func:`regkit.features.network.load_feature_netwo
 from __future__ import annotations
 
 import csv
+import io
 import itertools
 import math
 import time
@@ -382,13 +383,19 @@ def _read_log(path: Path, upto: int) -> list[dict[str, str]]:
         return [row for row in csv.DictReader(f) if int(row["step"]) <= upto]
 
 
-def check_output(output: Path, resume: bool) -> Path:
-    """The checkpoint path of a run in ``output``; RegkitError unless it exists (``resume``) or not (else)."""
+def check_output(output: Path, resume: bool, dim: int) -> Path:
+    """The checkpoint path of a ``dim``-D run in ``output``; RegkitError unless it exists (``resume``), or else unless
+    ``output`` holds none of the files a run writes (module docstring), which a new run would replace."""
     checkpoint = output / "checkpoint.pt"
     if resume and not checkpoint.is_file():
         raise RegkitError(f"{checkpoint}: no checkpoint to resume from")
     if not resume and checkpoint.exists():
         raise RegkitError(f"{output} already holds a training run: resume it (--resume) or choose another folder")
+    present = [name for name in ("config.yaml", "log.csv", f"features-{dim}d.pt") if (output / name).exists()]
+    if not resume and present:
+        raise RegkitError(
+            f"{output} holds {', '.join(present)}, which a training run would replace; choose another folder"
+        )
     return checkpoint
 
 
@@ -419,7 +426,7 @@ def train_features(
         progress: called after every step with a :class:`StepReport`.
     """
     out = Path(output)
-    checkpoint, log_path = check_output(out, resume), out / "log.csv"
+    checkpoint, log_path = check_output(out, resume, config.dim), out / "log.csv"
     if volume is None:
         volume = brain_label_volume(config.synthesis.source_spacing)
     trainer = Trainer(config, volume, device=device, backend=backend)
@@ -427,7 +434,7 @@ def train_features(
     if resume:
         spent = trainer.load_state(torch.load(checkpoint, map_location=trainer.device, weights_only=True), checkpoint)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    _atomic.write_text(out / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     rows = _read_log(log_path, trainer.step_done)
     weights = out / f"features-{config.dim}d.pt"
     last = stop_after if stop_after is not None else config.steps
@@ -446,10 +453,11 @@ def train_features(
             "config": config.model_dump(mode="json"),
         }
         save_feature_network(trainer.network, weights, meta)
-        with log_path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=_LOG_FIELDS)
-            writer.writeheader()
-            writer.writerows(rows)
+        log = io.StringIO(newline="")
+        writer = csv.DictWriter(log, fieldnames=_LOG_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+        _atomic.write_text(log_path, log.getvalue())
 
     saved = trainer.step_done if resume else -1
     while trainer.step_done < min(last, config.steps):

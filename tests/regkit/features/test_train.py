@@ -19,6 +19,7 @@ from regkit.features.training.recipe import (
 from regkit.features.training.synth import LabelVolume, ViewPair, crop_flow, synthesise_pair
 from regkit.features.training.train import (
     Trainer,
+    check_output,
     excluded_keys,
     info_nce,
     local_contrast,
@@ -219,3 +220,11 @@ def test_shipped_recipes_load():
         assert cfg.dim == dim
         assert cfg == load_training_config(folder / f"features-{dim}d.yaml")
         assert (folder / f"features-{dim}d.yaml").read_text().startswith("# Self-supervised training")
+
+
+def test_a_new_run_never_replaces_files_a_run_writes(tmp_path):
+    (tmp_path / "features-2d.pt").write_text("precious")
+    with pytest.raises(RegkitError, match=r"holds features-2d\.pt, which a training run would replace"):
+        check_output(tmp_path, resume=False, dim=2)
+    assert check_output(tmp_path, resume=False, dim=3) == tmp_path / "checkpoint.pt"
+    assert (tmp_path / "features-2d.pt").read_text() == "precious"

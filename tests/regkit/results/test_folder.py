@@ -8,6 +8,7 @@ transform.json and the inverse with :class:`~regkit.transform.Transformation` (t
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -16,9 +17,9 @@ import SimpleITK as sitk
 import torch
 
 import regkit.results.folder as folder
-from regkit.errors import ImageDimensionError
+from regkit.errors import ImageDimensionError, RegkitError
 from regkit.io import Image, read_image
-from regkit.results import OUTPUT_FILES, OutputExistsError, write_outputs
+from regkit.results import OUTPUT_FILES, OutputExistsError, check_output_dir, check_output_file, write_outputs
 from regkit.spatial.grid import Grid
 from tests.helpers import registration_config, same_grid
 
@@ -40,7 +41,7 @@ def test_optional_outputs_follow_the_flags(registration_case, tmp_path):
     flags = {k: False for k in ("warped", "displacement", "inverse_displacement", "jacobian", "transform_h5", "qc_png")}
     result = type(result)(**{**result.__dict__, "config": registration_config(result.fixed.ndim, **flags)})
     written = write_outputs(result, tmp_path / "out")
-    mandatory = {"affine", "transform", "metrics", "config"}
+    mandatory = {"affine", "transform", "metrics", "config", "record"}
     assert set(written) == mandatory
     assert set(os.listdir(tmp_path / "out")) == {OUTPUT_FILES[k] for k in mandatory}
 
@@ -127,6 +128,125 @@ def test_failure_with_overwrite_keeps_the_old_folder(registration_case, tmp_path
     with pytest.raises(RuntimeError):
         write_outputs(result, out, overwrite=True)
     assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["transform.json"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Never lose data: --overwrite replaces only what regkit wrote, never an input; writability is checked first
+
+
+def test_the_record_names_what_regkit_wrote(registration_case):
+    _, _, out = registration_case
+    record = json.loads((out / OUTPUT_FILES["record"]).read_text())
+    assert set(record["files"]) == ALL_FILES - {OUTPUT_FILES["record"]}
+
+
+def test_overwrite_replaces_a_folder_that_regkit_wrote(registration_case, tmp_path):
+    result, labels, _ = registration_case
+    out = tmp_path / "out"
+    write_outputs(result, out, moving_labels=labels["moving"])
+    assert "warped_labels.nii.gz" in os.listdir(out)
+    write_outputs(result, out, overwrite=True)  # without labels now: the old warped_labels.nii.gz goes
+    assert set(os.listdir(out)) == ALL_FILES - {"warped_labels.nii.gz"}
+    assert os.listdir(tmp_path) == ["out"]  # no temporary or old folder left
+
+
+def test_overwrite_refuses_a_regkit_folder_with_foreign_files_and_keeps_them(registration_case, tmp_path):
+    result, _, _ = registration_case
+    out = tmp_path / "out"
+    write_outputs(result, out)
+    for name in ("notes.txt", "a.txt", "b.txt", "c.txt"):
+        (out / name).write_text("precious")
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    with pytest.raises(OutputExistsError, match=r"did not write \(a\.txt, b\.txt, c\.txt and 1 more\)"):
+        write_outputs(result, out, overwrite=True)
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+
+
+def test_a_foreign_file_that_appears_while_writing_keeps_the_old_folder(registration_case, tmp_path, monkeypatch):
+    result, _, _ = registration_case
+    out = tmp_path / "out"
+    write_outputs(result, out)
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    write_png = folder.write_png
+
+    def drop_a_note(*args, **kwargs):
+        (out / "notes.txt").write_text("precious")
+        return write_png(*args, **kwargs)
+
+    monkeypatch.setattr(folder, "write_png", drop_a_note)
+    with pytest.raises(OutputExistsError, match=r"now holds files that regkit did not write \(notes\.txt\)"):
+        write_outputs(result, out, overwrite=True)
+    before["notes.txt"] = b"precious"
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    assert os.listdir(tmp_path) == ["out"]
+
+
+def test_overwrite_never_replaces_a_folder_holding_an_input(registration_case, tmp_path):
+    result, _, _ = registration_case
+    out = tmp_path / "out"
+    write_outputs(result, out)
+    (tmp_path / "link").symlink_to(out)
+    with pytest.raises(OutputExistsError, match="holds the input"):
+        write_outputs(result, out, overwrite=True, inputs=[None, tmp_path / "link" / "warped.nii.gz"])
+    assert (out / "warped.nii.gz").is_file()
+
+
+def test_an_output_folder_that_is_a_symlink_is_replaced_not_followed(registration_case, tmp_path):
+    result, _, _ = registration_case
+    target = tmp_path / "target"
+    write_outputs(result, target)
+    before = {name: (target / name).read_bytes() for name in os.listdir(target)}
+    (tmp_path / "out").symlink_to(target)
+    write_outputs(result, tmp_path / "out", overwrite=True)
+    assert not (tmp_path / "out").is_symlink() and set(os.listdir(tmp_path / "out")) == ALL_FILES - {
+        "warped_labels.nii.gz"
+    }
+    assert {name: (target / name).read_bytes() for name in os.listdir(target)} == before
+
+
+def test_an_output_folder_that_cannot_be_created_is_found_first(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(RegkitError, match="is not a folder"):
+        check_output_dir(tmp_path / "file" / "out")
+    with pytest.raises(RegkitError, match="exists and is not a folder"):
+        check_output_dir(tmp_path / "file", overwrite=True)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_an_unwritable_output_folder_is_found_first(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(RegkitError, match="no permission to write in"):
+            check_output_dir(locked / "a" / "out")
+        with pytest.raises(RegkitError, match="no permission to write in"):
+            check_output_file(locked / "out.nii.gz")
+    finally:
+        locked.chmod(0o700)
+
+
+def test_an_output_file_is_refused_if_it_exists_or_is_an_input(tmp_path, monkeypatch):
+    image = tmp_path / "image.nii.gz"
+    image.write_text("input")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "link.nii.gz").symlink_to(image)
+    os.link(image, tmp_path / "hard.nii.gz")
+    for output in ("image.nii.gz", "./sub/../image.nii.gz", "link.nii.gz", "hard.nii.gz"):
+        with pytest.raises(OutputExistsError, match="is the input"):
+            check_output_file(output, overwrite=True, inputs=[None, image])
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(OutputExistsError, match="exists; use --overwrite"):
+        check_output_file("link.nii.gz")
+    (tmp_path / "dangling.nii.gz").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(OutputExistsError, match="exists; use --overwrite"):
+        check_output_file("dangling.nii.gz")
+    assert check_output_file("link.nii.gz", overwrite=True) == tmp_path / "link.nii.gz"
+    with pytest.raises(RegkitError, match="is a folder"):
+        check_output_file("sub", overwrite=True)
+    with pytest.raises(RegkitError, match="does not exist"):
+        check_output_file("none/out.nii.gz")
+    assert image.read_text() == "input"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
