@@ -53,10 +53,13 @@ if TYPE_CHECKING:
 
 RUNNER = Path(__file__).with_name("accuracy_runners.py")
 CONFIGS = Path(__file__).with_name("configs")  # the regkit tools' configurations, accuracy-{ndim}d-{kind}.yaml
-DEFAULT_PAIRS = "2mm,contrast,itk2d,nibabel"
-DEFAULT_TOOLS = "regkit-lncc,regkit-mi,ants,elastix,sitk,fireants"
+DEFAULT_PAIRS = "2mm,contrast,itk2d,multimodal2d,nibabel"
+DEFAULT_TOOLS = "regkit,ants,elastix,sitk,fireants"
+HALVES = ("tuning", "held-out", "all")
+"""``--half``: a set's pairs at even positions are for tuning settings, those at odd positions are held out."""
 REFERENCES = ("before", "truth")
-# regkit tool -> similarity kind of its configuration ``benchmarks/configs/accuracy-{ndim}d-{kind}.yaml``
+# regkit tool -> similarity kind of its configuration ``benchmarks/configs/accuracy-{ndim}d-{kind}.yaml``; the tool
+# ``regkit`` runs the default configuration (``regkit.register`` given none)
 _REGKIT_KINDS = {"regkit-lncc": "lncc", "regkit-mi": "mi", "regkit-features": "features"}
 _CSV_FIELDS = (
     "pair_set",
@@ -188,9 +191,17 @@ def probe_tool(tool: str, envs: Environments, env: dict[str, str], folder: Path)
     return json.loads(_last_line(log, "{}"))["version"], ""
 
 
-def _regkit_config(tool: str, ndim: int, overrides: dict[str, str]) -> str:
+def _regkit_config(tool: str, ndim: int, overrides: dict[str, str]) -> str | None:
+    """The configuration file of a regkit tool; None for ``regkit``, the default configuration."""
+    if tool == "regkit":
+        return None
     kind = _REGKIT_KINDS[tool]
     return overrides.get(f"{kind}-{ndim}d", str(CONFIGS / f"accuracy-{ndim}d-{kind}.yaml"))
+
+
+def in_half(position: int, half: str) -> bool:
+    """Whether the pair at ``position`` in its set belongs to ``half`` (:data:`HALVES`)."""
+    return half == "all" or (position % 2 == 0) == (half == "tuning")
 
 
 def run_tool(
@@ -446,8 +457,19 @@ def accuracy(
     ),
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random deformations (pairs are deterministic).")] = 0,
     deformations: Annotated[
-        int, typer.Option("--deformations", min=1, help="Random deformations per MNI pair set (2mm, 1mm, contrast).")
-    ] = 3,
+        int,
+        typer.Option(
+            "--deformations", min=1, help="Random deformations per deformed pair set (2mm, 1mm, contrast, 2D sets)."
+        ),
+    ] = 6,
+    half: Annotated[
+        str,
+        typer.Option(
+            "--half",
+            help="Which pairs of every set: tuning (even positions), held-out (odd positions; the published figures) "
+            "or all.",
+        ),
+    ] = "held-out",
     threads: Annotated[
         int, typer.Option("--threads", min=1, help="CPU threads of every tool (default: all cores).")
     ] = os.cpu_count() or 1,
@@ -488,6 +510,8 @@ def accuracy(
     from regkit.config import load_config
 
     chosen_sets = _choices(pairs, PAIR_SETS, "pair sets")
+    if half not in HALVES:
+        raise typer.BadParameter(f"choose from {', '.join(HALVES)}", param_hint="--half")
     chosen_tools = _choices(tools, list(TOOLS), "tools")
     overrides = _config_overrides(regkit_config)
     for value in overrides.values():
@@ -519,7 +543,9 @@ def accuracy(
     torch_device = device_name(device.value)
     settings = [
         f"Torch tools on {torch_device}; ANTs, elastix and SimpleITK on the CPU; {threads} thread(s) per tool; "
-        f"seed {seed}, {deformations} deformation(s) per MNI pair set.",
+        f"seed {seed}, {deformations} deformation(s) per deformed pair set; pairs: the {half} half "
+        "(tuning: even positions in a set, held-out: odd).",
+        "regkit: the default configuration (what `regkit register` and `regkit.register` run given none).",
         "Versions: " + ", ".join(f"{tool} {version}" for tool, version in versions.items()) + ".",
         "Dice: mean over labels present in both maps (moving labels sampled at x + u(x), nearest); HD95 mm: mean over "
         "labels; folds: fraction of non-positive Jacobian determinants, SDlogJ (Learn2Reg, central differences of "
@@ -538,7 +564,8 @@ def accuracy(
 
     for pair_set in chosen_sets:
         console.print(f"{pair_set}: generating pairs ...", style="dim")
-        for generated in make_pairs(pair_set, deformations, seed, mni_data=mni_data, itk_data=itk_data):
+        generated_pairs = make_pairs(pair_set, deformations, seed, mni_data=mni_data, itk_data=itk_data)
+        for generated in (p for i, p in enumerate(generated_pairs) if in_half(i, half)):
             pair_dir = write_pair(generated, out / "pairs" / generated.name)
             pair = read_pair(pair_dir)  # what the tools read, geometry included
             rows += reference_rows(pair)

@@ -23,6 +23,9 @@ Pair sets (``PAIR_SETS``), each deterministic for a given seed:
 * ``nibabel``: nibabel's small T1 (``anatomical.nii``) against its moved copy resampled by SPM at 4 mm
   (``reoriented_anat_moved.nii``; nibabel's ``make_moved_anat.py`` moved it by ``euler2mat(0.1, 0.2, 0.3)`` and
   (3, 4, 5) mm in RAS world space). Labels: tissue classes carried by the true map.
+* ``multimodal2d``: the ITK T1 slice deformed in 2D like ``2mm`` (the fixed image) against the proton-density slice of
+  the same brain (the moving image; both slices share one grid, so the known map carries over). Labels: tissue classes
+  of the proton-density slice, deformed with the T1 slice. The multi-modal case in 2D.
 * ``mni2d``: an axial slice of the 2 mm template and its AAL labels, deformed in 2D like ``2mm`` (fast; no external
   data beyond regkit's own dependencies).
 * ``sanity``: conventions check for every tool: the 4 mm template against itself (identity), against a copy shifted by
@@ -269,13 +272,25 @@ def _translation(shift: tuple[float, ...]) -> np.ndarray:
     return matrix
 
 
+def _itk_slice(itk_data: Path, name: str) -> Image:
+    path = itk_data / name
+    if not path.is_file():
+        raise RegkitError(f"{path} not found: the ITK pair sets need apt-get install insighttoolkit5-examples")
+    image = read_image(path, ndim=2)
+    return Image(image.data.float(), image.grid)
+
+
+def _multimodal2d_pairs(itk_data: Path, count: int, seed: int) -> list[BenchPair]:
+    t1 = _itk_slice(itk_data, "BrainT1SliceBorder20.png")
+    pd = _itk_slice(itk_data, "BrainProtonDensitySliceBorder20.png")
+    labels = tissue_classes(pd)[0]
+    what = "ITK T1 slice, deformed in 2D with an intensity remap, bias and noise, against the proton-density slice"
+    return _deformed_pairs(t1, pd, labels, "multimodal2d", MULTIMODAL, count, seed, what)
+
+
 def _itk_pairs(itk_data: Path) -> list[BenchPair]:
     def load(name: str) -> Image:
-        path = itk_data / name
-        if not path.is_file():
-            raise RegkitError(f"{path} not found: the itk2d pairs need apt-get install insighttoolkit5-examples")
-        image = read_image(path, ndim=2)
-        return Image(image.data.float(), image.grid)
+        return _itk_slice(itk_data, name)
 
     pd = load("BrainProtonDensitySliceBorder20.png")
     rigid = _known_affine_pair(
@@ -399,9 +414,9 @@ def make_pairs(
 ) -> list[BenchPair]:
     """The pairs of one set (module docstring); deterministic for a given ``seed``.
 
-    ``count`` is the number of random deformations of the ``2mm``, ``1mm``, ``contrast``, ``contrast1mm`` and
-    ``mni2d`` sets (the other sets have fixed pairs). ``mni_data``: a folder with nilearn's bundled MNI152 files
-    (default: the installed nilearn's); ``itk_data``: the ITK examples' Data folder.
+    ``count`` is the number of random deformations of the ``2mm``, ``1mm``, ``contrast``, ``contrast1mm``,
+    ``multimodal2d`` and ``mni2d`` sets (the other sets have fixed pairs). ``mni_data``: a folder with nilearn's
+    bundled MNI152 files (default: the installed nilearn's); ``itk_data``: the ITK examples' Data folder.
     """
     if pair_set not in PAIR_SETS:
         raise RegkitError(f"unknown pair set {pair_set!r}; choose from {', '.join(PAIR_SETS)}")
@@ -409,6 +424,8 @@ def make_pairs(
         return _mni_pairs(pair_set, count, seed, mni_data)
     if pair_set == "mni2d":
         return _mni2d_pairs(count, seed)
+    if pair_set == "multimodal2d":
+        return _multimodal2d_pairs(itk_data, count, seed)
     if pair_set == "itk2d":
         return _itk_pairs(itk_data)
     if pair_set == "nibabel":

@@ -30,6 +30,7 @@ from typing import Any
 
 # tool -> (module to import for the probe, distribution whose version is reported)
 TOOLS: dict[str, tuple[str, str]] = {
+    "regkit": ("regkit", "regkit"),
     "regkit-lncc": ("regkit", "regkit"),
     "regkit-mi": ("regkit", "regkit"),
     "regkit-features": ("regkit", "regkit"),
@@ -298,8 +299,9 @@ def _import_cpu_kernels() -> list[str]:
 
 
 def _run_regkit(spec: dict[str, Any], out: Path) -> dict[str, Any]:
-    """regkit ``register`` with the configuration ``spec["config"]`` (a preset name or a YAML file), in a process set
-    up as the ``regkit`` command sets up its own."""
+    """regkit ``register`` with the configuration ``spec["config"]`` (a preset name or a YAML file; None: the default
+    configuration, as ``regkit.register`` chooses it), in a process set up as the ``regkit`` command sets up its
+    own."""
     from regkit.process import configure_process
 
     configure_process()
@@ -313,7 +315,7 @@ def _run_regkit(spec: dict[str, Any], out: Path) -> dict[str, Any]:
     _import_cpu_kernels()  # module imports before the timer, as `import ants` comes before ANTs' (first calls: inside)
     fixed = read_image(spec["fixed"])
     moving = read_image(spec["moving"])
-    config = load_config(spec["config"])
+    config = load_config(spec["config"]) if spec["config"] is not None else None
     cuda = spec["device"].startswith("cuda")
     if spec.get("warmup") and cuda:
         register(fixed, moving, config, device=spec["device"])
@@ -330,12 +332,13 @@ def _run_regkit(spec: dict[str, Any], out: Path) -> dict[str, Any]:
     return {
         "seconds": seconds,
         "gpu_peak_bytes": result.peak_memory_bytes,
-        "settings": f"config {spec['config']}",
+        "settings": f"config {spec['config'] or 'default'}",
         "analytic_min_jacobian": float(det.min()),
     }
 
 
 RUNNERS = {
+    "regkit": _run_regkit,
     "regkit-lncc": _run_regkit,
     "regkit-mi": _run_regkit,
     "regkit-features": _run_regkit,

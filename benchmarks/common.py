@@ -23,7 +23,7 @@ MiB = 2**20
 # The ITK examples' Data folder (Debian's insighttoolkit5-examples): the 2D slices of ``accuracy`` and ``features``.
 ITK_DATA = Path("/usr/share/doc/insighttoolkit5-examples/examples/Data")
 # The pair sets of ``accuracy`` (benchmarks.accuracy_pairs makes them).
-PAIR_SETS = ("2mm", "1mm", "contrast", "contrast1mm", "itk2d", "nibabel", "mni2d", "sanity")
+PAIR_SETS = ("2mm", "1mm", "contrast", "contrast1mm", "itk2d", "multimodal2d", "nibabel", "mni2d", "sanity")
 # nilearn's bundled MNI152 2009a files at 1 mm (the 1 mm pairs of ``registration`` and ``accuracy``).
 MNI152_FILES = {
     "t1": "mni_icbm152_t1_tal_nlin_sym_09a_converted.nii.gz",

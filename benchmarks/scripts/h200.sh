@@ -7,7 +7,7 @@
 #        bash benchmarks/scripts/h200.sh prepare
 #    fills .h200/ (git-ignored through .git/info/exclude): wheels/ (regkit's and the benchmarks' packages missing on
 #    the device, 60 MB, SimpleITK 53 of them), dask/ (dask.distributed for `batch`, 4 MB), fireants/ (FireANTs for
-#    `accuracy`, 0.2 MB), data/ (nilearn's MNI152 1 mm T1, the features training's label map, the two ITK example
+#    `accuracy`, 0.2 MB), data/ (nilearn's MNI152 1 mm T1, the features training's label map, the ITK example
 #    slices: 2 MB), baseline/ (regkit, kernels and configs of commit $BASELINE, which cpab and diffeomorphism time
 #    beside this tree: 2 MB) and wheels/COMMIT (the tree's commit, for the tables' headers: the device's copy has no
 #    git).
@@ -34,8 +34,9 @@
 #   features      one case per pair kind: 2D endpoint errors, 3D Dice, training throughput
 #   diffeomorphism  jumps, inverse consistency, folds on a 2x grid, time of every preset on the 2D and 2 mm pairs,
 #                 this tree beside the baseline tree (diffeomorphism-1mm: the 1 mm pair)
-#   accuracy      regkit (lncc, mi) and FireANTs on the 1 mm and 2 mm pairs, one deformation each; ANTs, elastix and
-#                 SimpleITK are CPU tools (accuracy-cpu.md) and show as "not installed" here
+#   accuracy      regkit (its default configuration) and FireANTs on the held-out pair of the 1 mm, 2 mm, contrast and
+#                 multimodal2d sets; ANTs, elastix and SimpleITK are CPU tools (accuracy-cpu.md) and show as "not
+#                 installed" here
 set -euo pipefail
 mode=${1:-}
 shift || true
@@ -45,7 +46,8 @@ H200=${H200:-.h200}
 limit_of() {
     case "$1" in
     batch | features) echo 200 ;;
-    wtconv | accuracy | diffeomorphism-1mm) echo 240 ;;
+    wtconv | diffeomorphism-1mm) echo 240 ;;
+    accuracy) echo 300 ;;
     cpab) echo 320 ;;
     diffeomorphism) echo 480 ;;
     registration) echo 120 ;;
@@ -64,8 +66,9 @@ args_of() { # the command's options (the output file aside)
         echo "features --device cuda --cases 1 --labels $H200/data/brain_labels.nii.gz --itk-data $H200/data"
         ;;
     accuracy)
-        echo "accuracy --device cuda --pairs 1mm,2mm --deformations 1 --tools regkit-lncc,regkit-mi,fireants" \
-            "--threads 8 --fireants-python python3 --mni-data $H200/data --timeout 120 --out /tmp/accuracy"
+        echo "accuracy --device cuda --pairs 1mm,2mm,contrast,multimodal2d --deformations 2 --tools regkit,fireants" \
+            "--threads 8 --fireants-python python3 --mni-data $H200/data --itk-data $H200/data --timeout 120" \
+            "--out /tmp/accuracy"
         ;;
     esac
 }
@@ -114,7 +117,7 @@ from regkit.io import write_image
 
 data = Path(sys.argv[1])
 shutil.copy(mni152_file("t1"), data)
-for name in ("BrainT1Slice.png", "BrainProtonDensitySlice.png"):
+for name in ("BrainT1Slice.png", "BrainProtonDensitySlice.png", "BrainT1SliceBorder20.png", "BrainProtonDensitySliceBorder20.png"):
     shutil.copy(ITK_DATA / name, data)
 if not (data / "brain_labels.nii.gz").is_file():
     write_image(brain_labels(), data / "brain_labels.nii.gz")

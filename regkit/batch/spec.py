@@ -16,7 +16,7 @@ from pydantic import Field, field_validator, model_validator
 
 from regkit.batch.manifest import MANIFEST
 from regkit.batch.plan import INPUT_KEYS, Job, Plan
-from regkit.config.layers import Layer, merge, open_config, read_layers, read_yaml, resolve_paths
+from regkit.config.layers import DEFAULT_PRESETS, Layer, merge, open_config, read_layers, read_yaml, resolve_paths
 from regkit.config.messages import format_path, validate
 from regkit.config.schema import RegistrationConfig
 from regkit.errors import ConfigError
@@ -67,7 +67,11 @@ class GlobSpec(Model):
 class BatchSpec(Model):
     """A batch of registrations: default configuration, job sources and output layout."""
 
-    defaults: str | dict[str, Any] = Field(description="A preset name, a config file, or a config mapping.")
+    defaults: str | dict[str, Any] | None = Field(
+        default=None,
+        description="A preset name, a config file, or a config mapping; none: regkit's default configuration for "
+        "each job's image dimension (regkit.config.DEFAULT_PRESETS).",
+    )
     output: str = Field(description="The output root folder.")
     manifest: str | None = Field(
         default=None, description="The manifest file (default: manifest.sqlite in the output root), e.g. on local disk."
@@ -216,15 +220,16 @@ class _SpecReader:
         return merge(base, Layer(data, {p: o for p, o in origins.items() if p[:1] != ("base",)}))
 
 
-def _check_input(path: Path, where: str) -> None:
-    """Raise a located :class:`ConfigError` unless ``path`` is a DICOM folder or an image whose header reads."""
+def _check_input(path: Path, where: str) -> int:
+    """The image dimension of ``path``; raises a located :class:`ConfigError` unless ``path`` is a DICOM folder (3D)
+    or an image whose header reads."""
     import SimpleITK as sitk
 
     from regkit.errors import ImageReadError
     from regkit.io import format_of
 
     if path.is_dir():
-        return
+        return 3
     if not path.is_file():
         raise ConfigError(f"{where}: no such file: {path}")
     try:
@@ -237,6 +242,7 @@ def _check_input(path: Path, where: str) -> None:
         reader.ReadImageInformation()
     except RuntimeError:
         raise ConfigError(f"{where}: cannot read the image header of {path} (corrupt or not an image)") from None
+    return int(reader.GetDimension())
 
 
 def load_spec(spec_path: str | os.PathLike, manifest: str | os.PathLike | None = None) -> Plan:
@@ -265,18 +271,32 @@ def load_spec(spec_path: str | os.PathLike, manifest: str | os.PathLike | None =
         manifest_path, where = root / MANIFEST, reader.where(("output",))
     if manifest_path.is_dir():
         raise ConfigError(f"{where}: the manifest {manifest_path} is a folder; give a file path")
-    defaults = reader.config_layer(spec.defaults, ("defaults",))
-    default_config = validate(RegistrationConfig, defaults)
-    checked: set[Path] = set()
+    given = None if spec.defaults is None else reader.config_layer(spec.defaults, ("defaults",))
+    default_layers: dict[int, Layer] = {}  # image dimension -> the defaults' layer
+    default_configs: dict[int, RegistrationConfig] = {}
+    dims: dict[Path, int] = {}
     seen: dict[Path, str] = {}
     jobs = []
     for index, draft in enumerate(drafts):
         for key in INPUT_KEYS:
             path = draft.inputs[key]
-            if path is not None and path not in checked:
-                _check_input(path, draft.where[key])
-                checked.add(path)
-        config = default_config
+            if path is not None and path not in dims:
+                dims[path] = _check_input(path, draft.where[key])
+        fixed_path = draft.inputs["fixed"]
+        assert fixed_path is not None
+        ndim = dims[fixed_path]
+        if ndim not in default_layers:
+            if given is not None:
+                default_layers[ndim] = given
+            elif ndim in DEFAULT_PRESETS:
+                default_layers[ndim] = reader.config_layer(DEFAULT_PRESETS[ndim], ("defaults",))
+            else:
+                raise ConfigError(
+                    f"{draft.where['fixed']}: {fixed_path} is a {ndim}D image; regkit registers 2D and 3D"
+                )
+            default_configs[ndim] = validate(RegistrationConfig, default_layers[ndim])
+        defaults = default_layers[ndim]
+        config = default_configs[ndim]
         if draft.config is not None:
             over = reader.config_layer(draft.config, draft.config_path)
             config = validate(RegistrationConfig, over if isinstance(draft.config, str) else merge(defaults, over))

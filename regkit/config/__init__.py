@@ -22,7 +22,7 @@ layering, paths, presets), :mod:`~regkit.config.messages` (validation errors as 
 from __future__ import annotations
 
 # --- configuration files: load, dump, hash ---------------------------------------------------------------------------
-from regkit.config.files import config_hash, dump_config, load_config
+from regkit.config.files import config_hash, default_config, dump_config, load_config
 
 # --- presets ---------------------------------------------------------------------------------------------------------
 from regkit.config.layers import DEFAULT_PRESETS, list_presets
@@ -78,6 +78,7 @@ __all__ = [
     "SimilarityOptions",
     "Stage",
     "config_hash",
+    "default_config",
     "dump_config",
     "list_presets",
     "load_config",

@@ -1,5 +1,5 @@
-"""Registration configuration files: :func:`load_config` (read, layer, validate), :func:`dump_config` and
-:func:`config_hash`."""
+"""Registration configuration files: :func:`load_config` (read, layer, validate), :func:`default_config`,
+:func:`dump_config` and :func:`config_hash`."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from typing import Any
 
 import yaml
 
-from regkit.config.layers import from_python, merge, open_config, read_layers, resolve_paths
+from regkit.config.layers import DEFAULT_PRESETS, from_python, merge, open_config, read_layers, resolve_paths
 from regkit.config.messages import validate
 from regkit.config.schema import RegistrationConfig
+from regkit.errors import ConfigError
 
-__all__ = ["config_hash", "dump_config", "load_config"]
+__all__ = ["config_hash", "default_config", "dump_config", "load_config"]
 
 
 def load_config(source: str | Path, overrides: Mapping[str, Any] | None = None) -> RegistrationConfig:
@@ -29,6 +30,14 @@ def load_config(source: str | Path, overrides: Mapping[str, Any] | None = None) 
     if overrides:
         layer = merge(layer, from_python(resolve_paths(overrides, Path.cwd()), "overrides"))
     return validate(RegistrationConfig, layer)
+
+
+def default_config(ndim: int) -> RegistrationConfig:
+    """The configuration regkit runs on ``ndim``-D images when the user names none: the preset
+    :data:`~regkit.config.layers.DEFAULT_PRESETS` ``[ndim]`` (the CLI, the Python API, batch and napari)."""
+    if ndim not in DEFAULT_PRESETS:
+        raise ConfigError(f"regkit registers 2D and 3D images, not {ndim}D")
+    return load_config(DEFAULT_PRESETS[ndim])
 
 
 class _Dumper(yaml.SafeDumper):

@@ -208,7 +208,7 @@ def resolve_paths(value: Any, folder: Path) -> Any:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-DEFAULT_PRESETS = {2: "histology-2d", 3: "brain-mri-3d"}
+DEFAULT_PRESETS = {2: "image-2d", 3: "brain-mri-3d"}
 """The preset front ends use when the user names none, by image dimension (CLI ``register``, the napari widget)."""
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from regkit import process
-from regkit.config import CpabStage, MomentsStage, RegistrationConfig
+from regkit.config import CpabStage, MomentsStage, RegistrationConfig, default_config
 from regkit.cpab.module import CPAB
 from regkit.errors import ImageDimensionError, RegkitError
 from regkit.io import Image
@@ -56,7 +56,7 @@ def resolve_device(name: str) -> torch.device:
 def register(
     fixed: Image,
     moving: Image,
-    config: RegistrationConfig,
+    config: RegistrationConfig | None = None,
     *,
     fixed_mask: Image | None = None,
     moving_mask: Image | None = None,
@@ -69,7 +69,8 @@ def register(
 
     Args:
         fixed, moving: the images, in world space (LPS mm); they may differ in grid, spacing and orientation.
-        config: the registration configuration (``regkit.config.load_config``).
+        config: the registration configuration (``regkit.config.load_config``); None: the default one for the images'
+            dimension (``regkit.config.default_config``), as ``regkit register`` runs it without ``--config``.
         fixed_mask, moving_mask: optional masks on the images' grids; non-zero voxels count in the similarity.
         device: overrides ``config.device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"auto"``).
         progress: called after every optimizer iteration with a :class:`~regkit.registration.progress.Progress`.
@@ -89,6 +90,8 @@ def register(
     process.tune_allocator()
     if fixed.ndim != moving.ndim:
         raise ImageDimensionError(f"the fixed image is {fixed.ndim}D but the moving image is {moving.ndim}D")
+    if config is None:
+        config = default_config(fixed.ndim)
     if config.dim is not None and config.dim != fixed.ndim:
         raise ImageDimensionError(f"the configuration is for {config.dim}D images but the images are {fixed.ndim}D")
     dev = resolve_device(str(device) if device is not None else config.device)

@@ -173,7 +173,7 @@ def test_tiny_regkit_only_run_writes_the_tables(tmp_path: Path):
     config = tmp_path / "tiny.yaml"
     config.write_text(_TINY_2D)
     out = tmp_path / "bench"
-    args = ["accuracy", "--pairs", "mni2d", "--deformations", "1", "--tools", "regkit-lncc,ants"]
+    args = ["accuracy", "--pairs", "mni2d", "--deformations", "1", "--half", "all", "--tools", "regkit-lncc,ants"]
     args += ["--regkit-config", f"lncc-2d={config}", "--bench-python", str(tmp_path / "none" / "python")]
     args += ["--threads", "1", "--out", str(out), "--output", str(tmp_path / "accuracy.md")]
     result = CliRunner().invoke(app, args)

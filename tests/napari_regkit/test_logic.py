@@ -236,7 +236,7 @@ def test_parse_schedule() -> None:
 
 
 def test_build_config_defaults_to_the_preset_for_the_dimension() -> None:
-    assert build_config(RunSettings(), 2) == load_config("histology-2d")
+    assert build_config(RunSettings(), 2) == load_config("image-2d")
     assert build_config(RunSettings(), 3) == load_config("brain-mri-3d")
 
 

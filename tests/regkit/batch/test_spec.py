@@ -115,3 +115,15 @@ def test_unknown_extension_and_bad_csv_are_located(tmp_path):
     (tmp_path / "pairs.csv").write_text("fixed,moving\ndata/a.nii.gz,data/b.nii.gz\ndata/a.nii.gz,data/nope.nii.gz\n")
     with pytest.raises(ConfigError, match=r"pairs.csv:3: moving: no such file"):
         load_spec(write_spec(tmp_path, "defaults: tiny.yaml\noutput: out\ncsv: pairs.csv\n"))
+
+
+def test_spec_without_defaults_takes_the_default_configuration_of_each_dimension(tmp_path):
+    """No ``defaults``: every job gets ``regkit.config.default_config`` of its fixed image's dimension, and a job's
+    config mapping merges over it."""
+    from regkit.config import default_config
+
+    make_data(tmp_path)  # 2D images
+    body = LIST_SPEC.replace("defaults: tiny.yaml\n", "").replace("c.nii.gz}", "c.nii.gz, config: {seed: 3}}")
+    plan = load_spec(write_spec(tmp_path, body))
+    assert plan.jobs[0].config == default_config(2)
+    assert plan.jobs[1].config == default_config(2).model_copy(update={"seed": 3})

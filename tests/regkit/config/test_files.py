@@ -33,12 +33,12 @@ def test_brain_preset_schedule():
     cpab = cfg.stages[-1]
     assert isinstance(cpab, CpabStage)
     assert isinstance(cpab.similarity, LnccSimilarity)
-    assert cpab.level_cells(3) == ((4, 4, 4), (8, 8, 8), (12, 12, 12))
+    assert cpab.level_cells(3) == ((8, 8, 8), (16, 16, 16), (24, 24, 24))
     assert len(cpab.pyramid) == 3
 
 
 def test_2d_presets_are_2d():
-    assert load_config("histology-2d").dim == 2
+    assert load_config("histology-2d").dim == load_config("image-2d").dim == 2
     assert load_config("quick-2d").dim == 2
 
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from regkit.batch import load_spec
-from regkit.config import list_presets, load_config
+from regkit.config import DEFAULT_PRESETS, default_config, list_presets, load_config
 from regkit.config.layers import open_config, presets_folder
 from regkit.config.schema import CpabStage
+from regkit.errors import ConfigError
 from regkit.io import Image, write_image
 from regkit.similarity.options import MiSimilarity
 from regkit.spatial.grid import Grid
@@ -89,3 +90,19 @@ def test_example_batch_spec_parses(tmp_path):
     assert plan.jobs[2].config == plan.jobs[3].config == load_config("brain-mri-3d")
     cpab = plan.jobs[0].config.stages[-1]
     assert isinstance(cpab, CpabStage) and isinstance(cpab.similarity, MiSimilarity)
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_the_default_configurations_choose_the_similarity_by_the_pair(ndim):
+    """The default of each dimension is a preset whose deformable stage measures the pair's modality (a multi-modal
+    similarity beside its mono-modal one), after a linear stage with mutual information (robust to both)."""
+    config = default_config(ndim)
+    assert config == load_config(DEFAULT_PRESETS[ndim]) and config.dim == ndim
+    cpab = config.stages[-1]
+    assert isinstance(cpab, CpabStage) and cpab.multimodal is not None
+    assert cpab.multimodal.name != cpab.similarity.name
+
+
+def test_default_config_refuses_other_dimensions():
+    with pytest.raises(ConfigError, match="not 4D"):
+        default_config(4)

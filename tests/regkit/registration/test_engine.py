@@ -301,3 +301,14 @@ def test_masked_lncc_registers_in_float32(brain2d: Image, brain3d: Image, ndim: 
     error, initial = _cpab_errors(result.transform.transform_world(world), true, fixed)
     assert error < 0.5 * initial, f"{ndim}D: error {error:.2f} mm of {initial:.2f} mm"
     assert result.transform.jacobian_determinant().min() > 0
+
+
+def test_without_a_configuration_the_default_of_the_dimension_runs(brain2d: Image, tmp_path, monkeypatch) -> None:
+    """``register(fixed, moving)`` runs ``default_config(ndim)``, the configuration of ``regkit register`` without
+    ``--config`` (a tiny one stands in for the default here)."""
+    from regkit.config import DEFAULT_PRESETS, dump_config
+
+    tiny = cpu_config(linear_stage("rigid", [3]), dim=2)
+    (tmp_path / "tiny.yaml").write_text(dump_config(tiny))
+    monkeypatch.setitem(DEFAULT_PRESETS, 2, str(tmp_path / "tiny.yaml"))
+    assert register(brain2d, brain2d).config == tiny
