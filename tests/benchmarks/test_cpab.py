@@ -24,7 +24,7 @@ def test_bench_cpab_quick_prints_and_writes_tables(tmp_path: Path) -> None:
     markdown = out.read_text()
     header = "| tessellation | d | method | forward ms | gradient ms | total ms | graphed ms | peak MiB | G pt-steps/s"
     assert header in markdown
-    assert markdown.count("| 2x2 | 10 |") == 3
+    assert markdown.count("| 2x2 | 10 |") == 4  # compiled, factorized, unrolled, sensitivity: the CPU methods
     assert "time grows with N and T" in markdown
     assert "gradient against forward sensitivity: 2D 4x4, batch 2" in markdown
     assert markdown.count("forward sensitivity |") == 2 + 1 + 1  # the 2D and 3D tables' rows and the comparison's
