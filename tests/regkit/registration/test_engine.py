@@ -312,3 +312,18 @@ def test_without_a_configuration_the_default_of_the_dimension_runs(brain2d: Imag
     (tmp_path / "tiny.yaml").write_text(dump_config(tiny))
     monkeypatch.setitem(DEFAULT_PRESETS, 2, str(tmp_path / "tiny.yaml"))
     assert register(brain2d, brain2d).config == tiny
+
+
+@pytest.mark.parametrize("similarity", ["ncc", "mse", "mi"])
+def test_masked_similarities_register_in_float32(brain2d: Image, similarity: str) -> None:
+    """Every similarity with brain masks on both images, in float32: a finite loss and a recovered deformation."""
+    true = _true_cpab(brain2d, 4, 0.3, seed=2)
+    moving = Image(true.warp(brain2d.data.double(), brain2d.grid, brain2d.grid).float().detach(), brain2d.grid)
+    masks = [Image((image.data > 0.1 * image.data.max()).to(torch.uint8), image.grid) for image in (brain2d, moving)]
+    config = cpu_config(cpab_stage(4, [60, 40], similarity), dim=2)
+    assert config.dtype == "float32"
+    result = register(brain2d, moving, config, fixed_mask=masks[0], moving_mask=masks[1])
+    world = brain2d.grid.world_points(torch.float64)
+    error, initial = _cpab_errors(result.transform.transform_world(world), true, brain2d)
+    assert error < 0.5 * initial, f"{similarity}: error {error:.2f} mm of {initial:.2f} mm"
+    assert result.transform.jacobian_determinant().min() > 0
