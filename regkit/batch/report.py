@@ -11,6 +11,7 @@ import io
 import json
 import math
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,12 @@ for (const th of document.querySelectorAll("#jobs thead th")) {
   });
 }
 """
+
+
+def relative_url(path: str) -> str:
+    """A URL for the report's folder-relative POSIX ``path``: every segment percent-encoded (``:`` too) behind
+    ``./``, so that no file name can become a scheme (``javascript:``), a query or another host."""
+    return "./" + urllib.parse.quote(path, safe="/")
 
 
 def _thumbnail(path: Path) -> str | None:
@@ -230,8 +237,9 @@ def write_report(plan: Plan, rows: dict[str, dict[str, Any]]) -> Path:
         thumbnail = _thumbnail(job.out_dir / "qc.png") if row["state"] == "done" else None
         qc = '<td data-value=""></td>'
         if thumbnail is not None:
-            link = html.escape(f"{job.name}/qc.png", quote=True)
-            qc = f'<td data-value="{index}"><a href="{link}"><img src="{thumbnail}" alt="QC of {link}"></a></td>'
+            link = html.escape(relative_url(f"{job.name}/qc.png"), quote=True)
+            alt = html.escape(f"QC of {job.name}", quote=True)
+            qc = f'<td data-value="{index}"><a href="{link}"><img src="{thumbnail}" alt="{alt}"></a></td>'
         fixed, moving = job.inputs["fixed"], job.inputs["moving"]
         assert fixed is not None and moving is not None
         title = html.escape(f"fixed {fixed}\nmoving {moving}", quote=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import time
+import urllib.parse
 from html.parser import HTMLParser
 
 from regkit.batch import load_spec, run_batch
@@ -63,9 +64,19 @@ def test_report_html_is_self_contained_with_a_row_per_job(tmp_path):
         assert len(page.images) == 1 and page.images[0].startswith("data:image/png;base64,")
         thumbnail = base64.b64decode(page.images[0].split(",", 1)[1])
         assert thumbnail.startswith(b"\x89PNG\r\n\x1a\n")
-        assert page.links == ["c_to_a/qc.png", page.images[0]]  # a relative link to the full picture
+        assert page.links == ["./c_to_a/qc.png", page.images[0]]  # a relative link to the full picture
         assert "://" not in text and "url(" not in text and "@import" not in text  # nothing from the network
         assert page.svgs == 2 and text.count("no values") == 2  # folds and runtime; no labels: no Dice
         assert {"Dice after", "folds %", "runtime s", "device", "warnings", "error"} <= set(page.headers)
         assert "<script>" in text and "<style>" in text
     assert not list((tmp_path / "out").glob("*.tmp-*"))
+
+
+def test_file_names_never_become_urls_of_their_own(tmp_path):
+    """A job named after a hostile file name links to its folder, percent-encoded, never to a scheme or a host."""
+    from regkit.batch.report import relative_url
+
+    for name in ("javascript:alert(1);x=", "//evil.example/x", "a?b#c", 'q"><script>'):
+        url = relative_url(f"{name}/qc.png")
+        assert url.startswith("./") and ":" not in url and "?" not in url and "#" not in url and '"' not in url
+        assert urllib.parse.unquote(url) == f"./{name}/qc.png"
