@@ -30,6 +30,7 @@ import contextlib
 import gzip
 import io
 import os
+import re
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -56,7 +57,14 @@ if TYPE_CHECKING:
     from nibabel.arrayproxy import ArrayProxy
     from nibabel.nifti1 import Nifti1Header
 
-__all__ = ["SUPPORTED_EXTENSIONS", "format_of", "read_image", "read_image_nibabel", "write_image"]
+__all__ = [
+    "DATA_FILES_ANYWHERE",
+    "SUPPORTED_EXTENSIONS",
+    "format_of",
+    "read_image",
+    "read_image_nibabel",
+    "write_image",
+]
 
 
 # Extension -> format name; the longest matching suffix wins (".nii.gz" before ".gz").
@@ -70,6 +78,17 @@ _FORMATS = {
     ".png": "PNG",
 }
 SUPPORTED_EXTENSIONS: tuple[str, ...] = tuple(_FORMATS)
+
+# The header line naming a MetaImage's or detached NRRD header's voxel file(s): LOCAL (MetaImage: the voxels follow),
+# LIST (names on the following lines), a printf pattern with its range ("slice%03d.raw 1 10 1"), or one file name.
+_DATA_FILE_LINE = {
+    "MetaImage": re.compile(rb"^[ \t]*ElementDataFile[ \t]*=[ \t]*(\S[^\r\n]*?)[ \t]*\r?$", re.M),
+    "NRRD": re.compile(rb"^[ \t]*data ?file[ \t]*:[ \t]*(\S[^\r\n]*?)[ \t]*\r?$", re.M | re.I),
+}
+_HEADER_BYTES = 1 << 16  # headers are read this far for their data-file line
+DATA_FILES_ANYWHERE = "REGKIT_DATA_FILES_ANYWHERE"
+"""Set to 1 to let MetaImage and NRRD headers name voxel files outside their own folder (refused by default: a header
+could otherwise make regkit read any file the user can, e.g. ``ElementDataFile = /etc/passwd``)."""
 
 # numpy voxel types kept as they are, and those widened to a signed type that holds all their values.
 _KEPT_DTYPES = {np.dtype(t) for t in (np.uint8, np.int8, np.int16, np.int32, np.int64, np.float32, np.float64)}
@@ -122,6 +141,7 @@ def read_image(path: str | os.PathLike, *, ndim: int | None = None, check_finite
         fmt = format_of(path, ImageReadError)
         if not path.exists():
             raise ImageReadError(f"{path}: no such file")
+        _check_data_files(path, fmt)
         reader = sitk.ImageFileReader()
         reader.SetFileName(str(path))
         try:
@@ -258,6 +278,37 @@ def _gray_png(reader: sitk.ImageFileReader, path: Path) -> np.ndarray | None:
 def _one_line(err: BaseException) -> str:
     """An exception's message on one line."""
     return " ".join(str(err).split()) or type(err).__name__
+
+
+def _check_data_files(path: Path, fmt: str) -> None:
+    """Raise :class:`ImageReadError` if the MetaImage or NRRD header ``path`` names a voxel file that is missing or,
+    unless :data:`DATA_FILES_ANYWHERE` is set, outside the header's folder (symlinks resolved)."""
+    line = _DATA_FILE_LINE.get(fmt)
+    if line is None:
+        return
+    with open(path, "rb") as f:
+        head = f.read(_HEADER_BYTES)
+    if fmt == "NRRD":
+        head = re.split(rb"\r?\n\r?\n", head, maxsplit=1)[0]  # the header ends at the first empty line
+    found = line.search(head)
+    if found is None or found.group(1).upper() == b"LOCAL":
+        return
+    value = found.group(1).decode("utf-8", "replace")
+    if value.upper().startswith("LIST"):
+        names = head[found.end() :].decode("utf-8", "replace").split()
+    else:
+        names = [value.split()[0]]
+    folder = path.parent.resolve()
+    anywhere = os.environ.get(DATA_FILES_ANYWHERE) == "1"
+    for name in names:
+        target = (path.parent / name).resolve()
+        if not anywhere and not target.is_relative_to(folder):
+            raise ImageReadError(
+                f"{path}: its header names the voxel file {name}, outside the header's folder; refused (set "
+                f"{DATA_FILES_ANYWHERE}=1 to allow)"
+            )
+        if "%" not in name and not target.is_file():
+            raise ImageReadError(f"{path}: its voxel file {target} does not exist")
 
 
 def format_of(path: Path, error: type[RegkitError]) -> str:

@@ -449,3 +449,39 @@ def test_data_file_is_moved_into_place_before_its_header(tmp_path: Path, monkeyp
     monkeypatch.setattr(os, "replace", recording_replace)
     write_image(_random_image(3, torch.int16, oblique=False), tmp_path / "scan.mhd")
     assert moved == ["scan.zraw", "scan.mhd"]  # a reader never finds a header whose data file is missing
+
+
+@pytest.mark.parametrize("header", ["BrainProtonDensitySliceBorder20.mhd", "BrainProtonDensitySliceBorder20.nhdr"])
+def test_detached_headers_read_voxels_only_from_their_own_folder(tmp_path, monkeypatch, header):
+    """A MetaImage or NRRD header naming a voxel file outside its folder is refused (it could make regkit read any
+    file, e.g. /etc/passwd), unless REGKIT_DATA_FILES_ANYWHERE=1; a missing voxel file is named."""
+    from regkit.io.files import DATA_FILES_ANYWHERE
+
+    source = itk_example(header)
+    raw = itk_example("BrainProtonDensitySliceBorder20.raw")
+    text = source.read_text()
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / raw.name).write_bytes(raw.read_bytes())
+    (here / header).write_text(text)
+    expected = read_image(here / header)
+    assert expected.data.shape == (257, 221)
+
+    outside = text.replace(raw.name, f"../{raw.name}")
+    (tmp_path / raw.name).write_bytes(raw.read_bytes())
+    (here / header).write_text(outside)
+    with pytest.raises(ImageReadError) as err:
+        read_image(here / header)
+    assert_one_line_naming(err, here / header)
+    assert "outside the header's folder" in str(err.value) and DATA_FILES_ANYWHERE in str(err.value)
+    (here / header).write_text(text.replace(raw.name, "/etc/passwd"))
+    with pytest.raises(ImageReadError, match="outside the header's folder"):
+        read_image(here / header)
+
+    monkeypatch.setenv(DATA_FILES_ANYWHERE, "1")
+    (here / header).write_text(outside)
+    assert torch.equal(read_image(here / header).data, expected.data)
+
+    (here / header).write_text(text.replace(raw.name, "missing.raw"))
+    with pytest.raises(ImageReadError, match=r"missing\.raw does not exist"):
+        read_image(here / header)
