@@ -102,7 +102,9 @@ def _message(err: Any) -> tuple[KeyPath, str]:
         return (), f"must be {ctx['expected']} (got {show(value)}){hint}"
     if kind in _BOUNDS:
         name, op = _BOUNDS[kind]
-        return (), f"must be {op} {ctx[name]:g} (got {value!r})"
+        bound = ctx[name]
+        shown = str(bound) if isinstance(bound, int) else f"{bound:g}"
+        return (), f"must be {op} {shown} (got {value!r})"
     if kind in _EXPECTED:
         return (), f"expected {_EXPECTED[kind]}, got {show(value)}"
     if kind == "finite_number":

@@ -53,7 +53,7 @@ def _int_or_list(value: Any) -> str:
     return "list" if isinstance(value, list | tuple) else "int"
 
 
-_Count = Annotated[int, Field(ge=1)]
+_Count = Annotated[int, Field(ge=1, le=100_000)]  # iterations per level, cells per axis
 IntOrInts = Annotated[
     Annotated[_Count, Tag("int")] | Annotated[Seq[_Count], Tag("list")],
     Discriminator(_int_or_list),
@@ -92,9 +92,12 @@ else:
 class PyramidLevel(Model):
     """One level of the multi-resolution pyramid: the images are smoothed, then shrunk by an integer factor."""
 
-    shrink: int = Field(ge=1, description="Integer factor by which each image axis is shrunk (1: full resolution).")
+    shrink: int = Field(
+        ge=1, le=64, description="Integer factor by which each image axis is shrunk (1: full resolution)."
+    )
     smoothing: float = Field(
         ge=0,
+        le=64,
         description="Standard deviation of the Gaussian applied before shrinking, in voxels of the full-resolution "
         "image (0: none).",
     )
@@ -114,6 +117,7 @@ class OptimizerConfig(Model):
     learning_rate: float = Field(
         default=0.05,
         gt=0,
+        le=100,
         description="Step size (adam) or initial step length (lbfgs), in the stage's parameter units: millimetres for "
         "rigid and affine stages (about 0.5 suits brain images), prior standard deviations for CPAB stages (whitened "
         "coordinates; about 0.05).",
@@ -125,10 +129,13 @@ class OptimizerConfig(Model):
     tolerance: float = Field(
         default=1e-5,
         ge=0,
+        le=1,
         description="A level stops early once the relative change of the loss, |L_k - L_(k-1)| / |L_(k-1)|, stays "
         "below this for `patience` consecutive iterations (0: never stop early).",
     )
-    patience: int = Field(default=10, ge=1, description="Consecutive iterations below `tolerance` that stop a level.")
+    patience: int = Field(
+        default=10, ge=1, le=100_000, description="Consecutive iterations below `tolerance` that stop a level."
+    )
 
 
 class MaskConfig(Model):
@@ -209,12 +216,14 @@ class CpabPrior(Model):
     length_scale: float = Field(
         default=0.1,
         gt=0,
+        le=10,
         description="Correlation length between cell centres, in units of the [0, 1] tessellation domain.",
     )
-    variance: float = Field(default=1.0, gt=0, description="Prior variance of the velocity-field parameters.")
+    variance: float = Field(default=1.0, gt=0, le=1e6, description="Prior variance of the velocity-field parameters.")
     weight: float = Field(
         default=0.01,
         ge=0,
+        le=1e6,
         description="Multiplier of the prior energy 1/2 theta^T Sigma^-1 theta added to the loss (0: none).",
     )
 
@@ -241,6 +250,7 @@ class CpabStage(_OptimizedStage):
     chain: int = Field(
         default=1,
         ge=1,
+        le=16,
         description="Number of CPAB transformations composed, each with its own parameters (large motions).",
     )
     multimodal: AnySimilarity | None = Field(
@@ -334,7 +344,7 @@ class RegistrationConfig(Model):
         description="On CUDA, replay each pyramid level's Adam iterations from a CUDA graph after 3 eager ones "
         "(one launch per iteration instead of hundreds; the same result).",
     )
-    seed: int = Field(default=0, ge=0, description="Seed of every random number generator used.")
+    seed: int = Field(default=0, ge=0, le=2**32 - 1, description="Seed of every random number generator used.")
     dtype: Literal["float32", "float64"] = Field(
         default="float32", description="Floating-point type of the computation."
     )

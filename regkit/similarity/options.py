@@ -59,7 +59,7 @@ class LnccSimilarity(SimilarityOptions):
 
     name: Literal["lncc"] = Field(default="lncc", description="Similarity measure: local normalized cross-correlation.")
     window: _OddWindow = Field(
-        default=9, ge=3, description="Side of the window in voxels of the current pyramid level; odd."
+        default=9, ge=3, le=63, description="Side of the window in voxels of the current pyramid level; odd."
     )
 
 
@@ -109,12 +109,16 @@ class FeaturesSimilarity(SimilarityOptions):
     lncc_weight: float = Field(
         default=0.0,
         ge=0.0,
+        le=1e3,
         description="Weight of a local NCC term of the images themselves, added to the feature distance: the "
         "features carry the anatomy across contrasts, the intensities its voxel-scale detail where the contrasts "
         "are related (0: features alone).",
     )
     lncc_window: _OddWindow = Field(
-        default=9, ge=3, description="Window of the local NCC (of the images, and of the features with distance lncc)."
+        default=9,
+        ge=3,
+        le=63,
+        description="Window of the local NCC (of the images, and of the features with distance lncc).",
     )
     distance: FeatureDistance = Field(
         default="cosine",

@@ -13,6 +13,7 @@ from regkit.config import (
     list_presets,
     load_config,
 )
+from regkit.errors import ConfigError
 
 
 @pytest.mark.parametrize("name", list_presets())
@@ -52,3 +53,39 @@ def test_dump_is_yaml_with_every_default():
     assert data["outputs"]["transform_h5"] is True
     assert data["stages"][-1]["prior"]["length_scale"] == 0.1
     assert data["stages"][-1]["tessellation"] == [4, 8]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"seed": 10**23}, "seed: must be <= 4294967295"),
+        (
+            {"stages": [{"type": "rigid", "similarity": {"name": "ncc"}, "optimizer": {"learning_rate": 1e30}}]},
+            "stages[0].optimizer.learning_rate: must be <= 100",
+        ),
+        (
+            {"stages": [{"type": "rigid", "similarity": {"name": "ncc"}, "optimizer": {"iterations": 10**12}}]},
+            "stages[0].optimizer.iterations: must be <= 100000",
+        ),
+        (
+            {
+                "stages": [
+                    {"type": "rigid", "similarity": {"name": "ncc"}, "pyramid": [{"shrink": 1, "smoothing": 1e7}]}
+                ]
+            },
+            "stages[0].pyramid[0].smoothing: must be <= 64",
+        ),
+        (
+            {"stages": [{"type": "cpab", "similarity": {"name": "lncc", "window": 999}}]},
+            "stages[0].similarity.window: must be <= 63",
+        ),
+        (
+            {"stages": [{"type": "cpab", "similarity": {"name": "ncc"}, "chain": 100000}]},
+            "stages[0].chain: must be <= 16",
+        ),
+    ],
+)
+def test_numeric_settings_have_upper_bounds_named_in_the_error(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("quick-2d", overrides=override)
+    assert message in str(err.value)
