@@ -29,6 +29,11 @@ from regkit.spatial.grid import Grid
 from regkit.spatial.sampling import sample_image
 
 FORMAT_VERSION = 1
+# What a transform file may hold (Transformation.from_dict): integration steps as the configuration allows, CPAB
+# parameters within this many prior standard deviations, and a linear part this well conditioned.
+MAX_STEPS = 1000
+MAX_THETA = 1e4
+MAX_CONDITION = 1e8
 
 
 class TransformFileError(RegkitError):
@@ -188,6 +193,13 @@ class Transformation:
             grid = Grid.create(g["size"], g["spacing"], g["origin"], g["direction"])
             flows = []
             for spec in data["cpab"]:
+                steps, dtype = spec["steps"], spec["dtype"]
+                if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+                    raise TransformFileError(
+                        f"{source}: cpab steps must be an integer in [1, {MAX_STEPS}], got {steps!r}"
+                    )
+                if dtype not in ("float32", "float64"):
+                    raise TransformFileError(f"{source}: cpab dtype must be float32 or float64, got {dtype!r}")
                 flow = CPAB(
                     spec["cells"],
                     lower=spec["lower"],
@@ -200,8 +212,10 @@ class Transformation:
                     length_scale=spec["length_scale"],
                     variance=spec["variance"],
                 )
-                flow = flow.to(getattr(torch, spec["dtype"]))
+                flow = flow.to(getattr(torch, dtype))
                 theta = torch.tensor(spec["theta"], dtype=torch.float64)
+                if theta.numel() and not (bool(torch.isfinite(theta).all()) and float(theta.abs().max()) <= MAX_THETA):
+                    raise TransformFileError(f"{source}: theta must be finite and at most {MAX_THETA:g} in size")
                 if theta.shape != flow.theta.shape:
                     raise TransformFileError(
                         f"{source}: theta has {theta.numel()} entries but the tessellation needs {flow.basis.d}"
@@ -213,6 +227,10 @@ class Transformation:
             matrix = np.asarray(data["matrix"], dtype=np.float64)
             if matrix.shape != (grid.ndim + 1, grid.ndim + 1):
                 raise TransformFileError(f"{source}: matrix must be {grid.ndim + 1}x{grid.ndim + 1}")
+            if not np.isfinite(matrix).all():
+                raise TransformFileError(f"{source}: matrix holds non-finite values")
+            if np.linalg.cond(matrix[: grid.ndim, : grid.ndim]) > MAX_CONDITION:
+                raise TransformFileError(f"{source}: matrix is singular or nearly so (not invertible)")
         except (KeyError, TypeError, ValueError) as err:
             raise TransformFileError(f"{source}: invalid transform file ({type(err).__name__}: {err})") from err
         return cls(grid, matrix, flows)

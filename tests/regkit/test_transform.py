@@ -6,12 +6,15 @@ hold transform.json and the forward and inverse displacement fields.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 import SimpleITK as sitk
 import torch
 
 from regkit.spatial.sampling import sample_image
-from regkit.transform import Transformation
+from regkit.transform import Transformation, TransformFileError
 from tests.helpers import inside_moving, sitk_read
 
 
@@ -36,3 +39,27 @@ def test_inverse_composes_with_forward_to_identity(registration_case):
     assert np.median(error) < 0.03 * min(fixed_grid.spacing)
     assert error.max() < 0.25 * min(fixed_grid.spacing)
     assert np.median(displacement) > 10 * np.median(error)  # a wrong inverse errs by about the displacement
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d["cpab"][0].update(theta=[float("nan")] * len(d["cpab"][0]["theta"])), "theta must be finite"),
+        (lambda d: d["cpab"][0].update(theta=[1e30] * len(d["cpab"][0]["theta"])), "theta must be finite"),
+        (lambda d: d["cpab"][0].update(steps=10**9), "steps must be an integer in [1, 1000]"),
+        (lambda d: d["cpab"][0].update(steps=2.5), "steps must be an integer"),
+        (lambda d: d["cpab"][0].update(dtype="float16"), "dtype must be float32 or float64"),
+        (lambda d: d["matrix"][0].__setitem__(0, float("nan")), "matrix holds non-finite values"),
+        (lambda d: d.update(matrix=np.diag([1.0] * (len(d["matrix"]) - 2) + [0.0, 1.0]).tolist()), "singular"),
+    ],
+)
+def test_a_transform_file_is_validated_on_load(registration_case, tmp_path, edit, message):
+    """Non-finite or huge parameters, bad steps or dtype, a non-finite or singular matrix: one line naming the file."""
+    _, _, out = registration_case
+    data = json.loads((out / "transform.json").read_text())
+    edit(data)
+    path = tmp_path / "transform.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(TransformFileError) as err:
+        Transformation.load(path)
+    assert message in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value)
