@@ -2,7 +2,9 @@
 
 The commands live in :mod:`regkit_cli.commands`, one module each; heavy imports (torch, SimpleITK, ...) happen inside
 them so --help is instant. Every command runs through :func:`main`, which turns a :class:`regkit.errors.RegkitError`
-(and a few OS errors) into one line on stderr and exit code 1; ``--debug`` shows the traceback instead.
+(and OS and memory errors) into one line on stderr and exit code 1, any other exception into one line with its type
+and a pointer to ``--debug`` (exit code 1), and Ctrl-C into one line and exit code 130; ``--debug`` shows the
+traceback instead.
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ app.command("batch")(batch)
 app.command("train-features")(train_features)
 
 
+INTERRUPTED = "interrupted (Ctrl-C); outputs appear only when complete, so nothing partly written was left"
+"""The line a command stopped by Ctrl-C prints (exit code 130)."""
+UNEXPECTED = "an error regkit did not foresee: rerun with --debug for the traceback, and please report it"
+"""What follows the one line of an exception that is not a user error."""
+
+
 def _error_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
@@ -80,16 +88,20 @@ def main(argv: list[str] | None = None) -> None:
         code = app(args=argv, standalone_mode=False)  # a typer.Exit raised in a command comes back as its code
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except typer.Abort:
-        typer.echo("Aborted.", err=True)
-        sys.exit(130)
+    except (typer.Abort, KeyboardInterrupt):  # Ctrl-C outside typer's own handling
+        code = 130
     except typer.TyperException as exc:  # usage errors (typer >= 0.29 bundles click; its exceptions subclass this)
         exc.show()  # type: ignore[attr-defined]
         sys.exit(exc.exit_code)
-    except Exception as exc:  # RegkitError, OS errors
-        if _state["debug"] or not isinstance(exc, RegkitError | OSError | MemoryError):
+    except Exception as exc:
+        if _state["debug"]:
             raise
-        typer.echo(f"error: {_error_line(exc)}", err=True)
+        if isinstance(exc, RegkitError | OSError | MemoryError):  # the user's input or machine: the message says
+            typer.echo(f"error: {_error_line(exc)}", err=True)
+        else:  # a failure regkit did not foresee: still one line, and how to see more
+            typer.echo(f"error: {type(exc).__name__}: {_error_line(exc)} ({UNEXPECTED})", err=True)
         sys.exit(1)
+    if code == 130:  # Ctrl-C: typer returns its exit code
+        typer.echo(INTERRUPTED, err=True)
     if isinstance(code, int) and code != 0:
         sys.exit(code)

@@ -27,11 +27,25 @@ def load_transform(source: Path) -> Transformation:
     return Transformation.load(source / "transform.json" if source.is_dir() else source)
 
 
-def moving_grid(source: Path, reference: Path | None) -> Grid:
-    """The moving grid: ``reference``'s, else the one recorded beside the transformation (metrics.json)."""
+def moving_grid(source: Path, reference: Path | None, transform: Transformation) -> Grid:
+    """The moving grid of ``transform`` (loaded from ``source``): ``reference``'s, else the one recorded beside the
+    transformation (metrics.json); of the transformation's dimension (:func:`check_dimension`)."""
     from regkit.io import read_image
     from regkit.results import read_moving_grid
 
     if reference is not None:
-        return read_image(reference).grid
+        grid = read_image(reference).grid
+        check_dimension(transform, source, reference, grid.ndim)
+        return grid
     return read_moving_grid(source if source.is_dir() else source.parent)
+
+
+def check_dimension(transform: Transformation, source: Path, path: Path, ndim: int) -> None:
+    """Raise ImageDimensionError naming ``path`` if its image (``ndim``-D) is not of the dimension of ``transform``
+    (loaded from ``source``)."""
+    from regkit.errors import ImageDimensionError
+
+    if ndim != transform.fixed_grid.ndim:
+        raise ImageDimensionError(
+            f"{path}: the image is {ndim}D but the transformation in {source} is {transform.fixed_grid.ndim}D"
+        )

@@ -36,11 +36,15 @@ from regkit.io import Image
 from regkit.registration.levels import RunContext
 from regkit.registration.progress import Progress
 from regkit.registration.result import RegistrationResult, StageReport
-from regkit.registration.stages import run_cpab, run_linear
+from regkit.registration.stages import linear_map_problem, run_cpab, run_linear
 from regkit.spatial.affine import moments_init
 from regkit.transform import Transformation
 
-__all__ = ["register", "resolve_device"]
+__all__ = ["MIN_VOXELS", "register", "resolve_device"]
+
+MIN_VOXELS = 4
+"""The fewest voxels along any axis of an image that :func:`register` accepts (a smaller image has too little
+structure to fix an affine map, and no central difference inside)."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -84,6 +88,10 @@ def register(
         A :class:`~regkit.registration.result.RegistrationResult` whose ``transform`` maps fixed world points to
         moving world points.
 
+    Raises:
+        ImageDimensionError: the images differ in dimension, or one has fewer than :data:`MIN_VOXELS` voxels along
+            an axis, or the configuration is for another dimension.
+
     The first call tunes the process's allocator as the ``regkit`` commands do (``regkit.process``; opt out with
     ``REGKIT_PROCESS_SETTINGS=0``).
     """
@@ -94,6 +102,12 @@ def register(
         config = default_config(fixed.ndim)
     if config.dim is not None and config.dim != fixed.ndim:
         raise ImageDimensionError(f"the configuration is for {config.dim}D images but the images are {fixed.ndim}D")
+    for name, image in (("fixed", fixed), ("moving", moving)):
+        if min(image.grid.size) < MIN_VOXELS:
+            size = " x ".join(map(str, image.grid.size))
+            raise ImageDimensionError(
+                f"the {name} image has {size} voxels; registration needs at least {MIN_VOXELS} along every axis"
+            )
     dev = resolve_device(str(device) if device is not None else config.device)
     torch.manual_seed(config.seed)
     if dev.type == "cuda":
@@ -106,8 +120,14 @@ def register(
     for index, stage in enumerate(config.stages):
         if isinstance(stage, MomentsStage):
             begin = time.perf_counter()
-            matrix = moments_init(ctx.fixed_t, fixed.grid, ctx.moving_t, moving.grid, mode=stage.mode).cpu().numpy()
-            reports.append(StageReport(stage.type, seconds=round(time.perf_counter() - begin, 3)))
+            found = moments_init(ctx.fixed_t, fixed.grid, ctx.moving_t, moving.grid, mode=stage.mode).cpu().numpy()
+            report = StageReport(stage.type, seconds=round(time.perf_counter() - begin, 3))
+            problem = linear_map_problem(found)
+            if problem is None:
+                matrix = found
+            else:
+                report.warning = f"the moments stage {problem}; the result of the earlier stages is kept"
+            reports.append(report)
         elif isinstance(stage, CpabStage):
             new_flows, report = run_cpab(ctx, index, stage, matrix, flows)
             flows.extend(new_flows)

@@ -1,6 +1,8 @@
 """The optimized stages: :func:`run_linear` (rigid or affine) and :func:`run_cpab` (one or more CPAB flows).
 
-* ``rigid`` / ``affine``: ``M <- M @ P`` with ``P`` a centred rigid / affine map optimized over the pyramid;
+* ``rigid`` / ``affine``: ``M <- M @ P`` with ``P`` a centred rigid / affine map optimized over the pyramid (a stage
+  whose map ends non-finite, reflecting or singular, or with a worse similarity on its finest level than it started
+  with, is discarded, with a warning in its report);
 * ``cpab``: a CPAB flow on the fixed grid's box (``CPAB.for_grid``), optimized over the pyramid with the tessellation
   schedule (a stage that ends with a worse similarity at full resolution than it started with is discarded, with a
   warning in its report; with ``multimodal`` set, the stage first measures how linearly the pair's intensities relate
@@ -43,7 +45,7 @@ from regkit.similarity.options import SimilarityOptions
 from regkit.spatial.affine import AffineTransform, RigidTransform, grid_centre
 from regkit.spatial.grid import Grid
 
-__all__ = ["VOXELS_PER_CELL", "Prior", "Unwhiten", "coherence", "run_cpab", "run_linear"]
+__all__ = ["VOXELS_PER_CELL", "Prior", "Unwhiten", "coherence", "linear_map_problem", "run_cpab", "run_linear"]
 
 Prior = CPABPrior | VertexPrior
 
@@ -81,7 +83,32 @@ def run_linear(
         report.levels.append(optimize_level(ctx, index, stage, li, len(levels), list(model.parameters()), objective))
         ctx.level_done(model.matrix().detach().double().cpu().numpy(), [])
     report.seconds = round(time.perf_counter() - start, 3)
-    return model.matrix().detach().double().cpu().numpy(), report
+    result = model.matrix().detach().double().cpu().numpy()
+    problem = linear_map_problem(result)
+    if problem is None:
+        before, after = (
+            _finest_similarity(levels[-1], similarity, torch.as_tensor(m, dtype=ctx.dtype, device=ctx.device), [])
+            for m in (matrix, result)
+        )
+        if not after < before:
+            problem = f"made its similarity worse ({before:.4g} -> {after:.4g} on its finest level)"
+    if problem is not None:
+        report.warning = f"the {stage.type} stage {problem}; the result of the earlier stages is kept"
+        return matrix, report
+    return result, report
+
+
+def linear_map_problem(matrix: np.ndarray) -> str | None:
+    """What makes the homogeneous ``matrix`` unusable as the linear part of a registration, or None: a non-finite
+    entry, or a linear part that is singular or reflects (determinant at most 0; a registration's map keeps
+    orientation)."""
+    if not np.isfinite(matrix).all():
+        return "ended with a non-finite map"
+    n = matrix.shape[0] - 1
+    det = float(np.linalg.det(matrix[:n, :n]))
+    if det <= 0:
+        return f"ended with a map that reflects or collapses space (determinant {det:.3g})"
+    return None
 
 
 def _refined(previous: CPAB | None, grid: Grid, cells: tuple[int, ...], stage: CpabStage, ctx: RunContext) -> CPAB:

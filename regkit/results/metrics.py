@@ -18,6 +18,10 @@ null):
   (about ``0.001 mm`` times the local stretch for a continuous map; a jump across a facet would show in full);
 * ``warnings``: what went wrong, in sentences (a stage's result discarded, a similarity worse than no registration,
   folds, extreme local volume changes); empty when nothing did;
+* ``failed_checks``: the warnings that mean the result is wrong, not merely doubtful: a transformation that folds
+  (analytic Jacobian determinant at most 0) or whose determinant is not finite, and, for a registration without a
+  fixed mask (whose similarity is measured on the whole image, as here), a similarity worse than no registration;
+  ``regkit register`` exits with code 3 when there are any (its outputs are kept for inspection);
 * ``field_of_view_overlap``: the fraction of the fixed grid that lies inside the moving image's box (identity map);
 * ``runtime``: seconds per stage (with the levels' iterations and similarities) and in total; ``peak_memory``: bytes
   and how they were measured (CUDA ``max_memory_allocated``, else the process's peak resident set size);
@@ -49,7 +53,14 @@ from regkit.spatial.metrics import dice_per_label, fraction_nonpositive, hd95_pe
 if TYPE_CHECKING:
     from regkit.registration import RegistrationResult
 
-__all__ = ["field_of_view_overlap", "label_scores", "measure_peak_memory", "metrics_record", "metrics_warnings"]
+__all__ = [
+    "failed_checks",
+    "field_of_view_overlap",
+    "label_scores",
+    "measure_peak_memory",
+    "metrics_record",
+    "metrics_warnings",
+]
 
 
 def metrics_record(
@@ -80,6 +91,7 @@ def metrics_record(
         "jacobian": jacobian,
         "invertibility": invertibility,
         "warnings": metrics_warnings(result, similarity, jacobian, invertibility),
+        "failed_checks": failed_checks(result, similarity, jacobian),
         "field_of_view_overlap": field_of_view_overlap(result.fixed.grid, result.moving.grid),
         "runtime": runtime,
         "peak_memory": peak_memory,
@@ -243,16 +255,13 @@ def metrics_warnings(
 ) -> list[str]:
     """The ``warnings`` of ``metrics.json`` (module docstring)."""
     found = list(result.stage_warnings)
-    last = _last_similarity(result)
-    name = last.name if last is not None and last.name in similarity else "ncc"
-    before, after = similarity[name]["before"], similarity[name]["after"]
-    if before is not None and after is not None and after > before:
-        found.append(
-            f"the registration made the similarity {name} worse than no registration ({before:.4g} -> {after:.4g})"
-        )
+    worse = _worse_than_none(result, similarity)
+    if worse is not None:
+        found.append(worse)
     low, high = jacobian["analytic_min"], jacobian["analytic_max"]
-    if low is not None and low <= 0:
-        found.append(f"the transformation folds: analytic Jacobian determinant down to {low:.3g}")
+    broken = _broken_jacobian(jacobian)
+    if broken is not None:
+        found.append(broken)
     elif low is not None and high is not None and (low < VOLUME_CHANGE_LIMITS[0] or high > VOLUME_CHANGE_LIMITS[1]):
         found.append(
             f"extreme local volume change: analytic Jacobian determinant in [{low:.3g}, {high:.3g}]; a larger "
@@ -272,6 +281,34 @@ def metrics_warnings(
             "or stretches extremely"
         )
     return found
+
+
+def failed_checks(result: RegistrationResult, similarity: dict[str, dict], jacobian: dict[str, Any]) -> list[str]:
+    """The ``failed_checks`` of ``metrics.json`` (module docstring): sentences, as in ``warnings``."""
+    found = [] if result.fixed_mask is not None else [_worse_than_none(result, similarity)]
+    found.append(_broken_jacobian(jacobian))
+    return [sentence for sentence in found if sentence is not None]
+
+
+def _worse_than_none(result: RegistrationResult, similarity: dict[str, dict]) -> str | None:
+    """The warning that the registration ended with a worse similarity (the last optimized stage's, else ncc) than no
+    registration, or None."""
+    last = _last_similarity(result)
+    name = last.name if last is not None and last.name in similarity else "ncc"
+    before, after = similarity[name]["before"], similarity[name]["after"]
+    if before is not None and after is not None and after > before:
+        return f"the registration made the similarity {name} worse than no registration ({before:.4g} -> {after:.4g})"
+    return None
+
+
+def _broken_jacobian(jacobian: dict[str, Any]) -> str | None:
+    """The warning that the analytic Jacobian determinant is not positive or not finite somewhere, or None."""
+    low, high = jacobian["analytic_min"], jacobian["analytic_max"]
+    if low is None or high is None:
+        return "the transformation's Jacobian determinant is not finite"
+    if low <= 0:
+        return f"the transformation folds: analytic Jacobian determinant down to {low:.3g}"
+    return None
 
 
 def _grid_dict(grid: Grid) -> dict[str, list]:

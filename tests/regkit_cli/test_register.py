@@ -3,6 +3,7 @@ errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch
 
 import regkit.registration
 from regkit.results import OUTPUT_FILES
+from regkit_cli.main import INTERRUPTED
 from tests.helpers import assert_one_error_line, run_cli
 
 
@@ -110,9 +112,7 @@ def test_ctrl_c_leaves_nothing_and_exits_130(files, tmp_path, capsys, monkeypatc
     monkeypatch.setattr(regkit.registration, "register", interrupted)
     assert run_cli(["register", files["fixed"], files["moving"], "-o", tmp_path / "out", "-c", files["config"]]) == 130
     err = capsys.readouterr().err
-    assert [line for line in err.splitlines() if line.strip()] == [
-        f"interrupted: nothing was written to {tmp_path / 'out'}"
-    ]
+    assert [line for line in err.splitlines() if line.strip()] == [INTERRUPTED]
     assert os.listdir(tmp_path) == []
 
 
@@ -123,3 +123,16 @@ def test_gpu_out_of_memory_is_one_line(files, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(regkit.registration, "register", out_of_memory)
     assert run_cli(["register", files["fixed"], files["moving"], "-o", tmp_path / "out", "-c", files["config"]]) == 1
     assert_one_error_line(capsys, "smaller tessellation")
+
+
+def test_a_result_that_fails_its_checks_is_kept_and_exits_3(files, tmp_path, capsys, monkeypatch):
+    import regkit.results.metrics
+
+    def folds(*args, **kwargs):
+        return ["the transformation folds: analytic Jacobian determinant down to -0.2"]
+
+    monkeypatch.setattr(regkit.results.metrics, "failed_checks", folds)
+    out = tmp_path / "out"
+    assert run_cli(["register", files["fixed"], files["moving"], "-o", out, "-c", files["config"], "--quiet"]) == 3
+    assert_one_error_line(capsys, "the result failed its checks (the transformation folds")
+    assert json.loads((out / "metrics.json").read_text())["failed_checks"] == folds()

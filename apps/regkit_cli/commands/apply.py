@@ -33,13 +33,16 @@ def apply(
     """Resample IMAGE onto REFERENCE's grid through a saved transformation (pull-back: out(x) = image(T(x)))."""
     from regkit.io import apply_itk_transform, read_image, write_image
     from regkit.results import check_output_file, resample
-    from regkit_cli.transforms import load_transform
+    from regkit_cli.transforms import check_dimension, load_transform
 
     check_output_file(output, overwrite, inputs=[transform, image, reference])
     source = read_image(image)
     grid = read_image(reference).grid
     if transform.suffix == ".json":
-        result = resample(load_transform(transform), source, grid, mode=interp.value)
+        saved = load_transform(transform)
+        check_dimension(saved, transform, image, source.ndim)
+        check_dimension(saved, transform, reference, grid.ndim)
+        result = resample(saved, source, grid, mode=interp.value)
     else:
         result = apply_itk_transform(transform, source, grid, mode=interp.value)
     write_image(result, output)

@@ -61,5 +61,6 @@ def export(
         output.mkdir(parents=True, exist_ok=True)
         path = output / f"disp_{_case_id(fixed_id)}_{_case_id(moving_id)}.nii.gz"
     check_output_file(path, overwrite, inputs=source_files(source, reference))
-    write_learn2reg(load_transform(source), moving_grid(source, reference), path)
+    transform = load_transform(source)
+    write_learn2reg(transform, moving_grid(source, reference, transform), path)
     typer.echo(str(path))

@@ -29,5 +29,6 @@ def invert(
     from regkit_cli.transforms import load_transform, moving_grid, source_files
 
     check_output_file(output, overwrite, inputs=source_files(source, reference))
-    grid = moving_grid(source, reference)
-    write_displacement(load_transform(source).inverse_displacement(grid), grid, output)
+    transform = load_transform(source)
+    grid = moving_grid(source, reference, transform)
+    write_displacement(transform.inverse_displacement(grid), grid, output)

@@ -7,6 +7,10 @@ from typing import Annotated
 
 import typer
 
+FAILED_CHECKS = 3
+"""The exit code of a registration that finished but whose result failed the checks of ``metrics.json``
+(``failed_checks``: folds, a non-finite Jacobian, a similarity worse than no registration)."""
+
 
 def register(
     fixed: Annotated[Path, typer.Argument(help="Fixed image: the grid and world space of the outputs.")],
@@ -51,7 +55,8 @@ def register(
     displacement.nii.gz (fixed grid), inverse_displacement.nii.gz (moving grid): ITK fields, LPS mm;
     affine.mat, transform.h5 (ITK composite), transform.json (exact, for apply/invert/export);
     jacobian.nii.gz, metrics.json, config.yaml, qc.png.
-    The folder appears only when complete: an error or Ctrl-C leaves none.
+    The folder appears only when complete: an error or Ctrl-C leaves none. Exit code 3: the result was written but
+    failed its checks (metrics.json's failed_checks).
     """
     import json
 
@@ -111,15 +116,19 @@ def register(
             overwrite=overwrite,
             inputs=given,
         )
-    except KeyboardInterrupt:
-        typer.echo(f"interrupted: nothing was written to {output}", err=True)
-        raise typer.Exit(130) from None
     except torch.cuda.OutOfMemoryError as err:
         raise RegkitError(
             f"out of GPU memory on {cfg.device}: use a smaller tessellation or fewer full-resolution pyramid levels "
             "in the configuration, or run on the CPU with --device cpu"
         ) from err
+    metrics = json.loads((output / OUTPUT_FILES["metrics"]).read_text())
     if not quiet:
-        metrics = json.loads((output / OUTPUT_FILES["metrics"]).read_text())
         for line in summary_lines(output, metrics):
             typer.echo(line)
+    if metrics["failed_checks"]:
+        typer.echo(
+            f"error: the result failed its checks ({'; '.join(metrics['failed_checks'])}); its files in {output} are "
+            "kept for inspection",
+            err=True,
+        )
+        raise typer.Exit(FAILED_CHECKS)

@@ -22,6 +22,7 @@ from regkit.cpab.module import CPAB
 from regkit.errors import ImageDimensionError, ImageValueError
 from regkit.io import Image, reorient
 from regkit.registration import Cancelled, Progress, register
+from regkit.registration.stages import linear_map_problem
 from regkit.spatial.affine import grid_centre
 from regkit.spatial.grid import Grid
 from regkit.spatial.sampling import sample_image
@@ -176,6 +177,37 @@ def test_2d_and_3d_images_are_refused(brain2d: Image, brain3d: Image) -> None:
         register(brain2d, brain3d, cpu_config(linear_stage("rigid", [2]), dim=2))
     with pytest.raises(ImageDimensionError, match="configuration is for 3D"):
         register(brain2d, brain2d, cpu_config(linear_stage("rigid", [2]), dim=3))
+
+
+def test_images_with_too_few_voxels_along_an_axis_are_refused(brain2d: Image) -> None:
+    thin = Image(torch.rand(3, 50), Grid.create((50, 3)))
+    config = cpu_config(linear_stage("rigid", [2]), dim=2)
+    with pytest.raises(ImageDimensionError, match="the moving image has 50 x 3 voxels; registration needs at least 4"):
+        register(brain2d, thin, config)
+    with pytest.raises(ImageDimensionError, match="the fixed image has 50 x 3 voxels"):
+        register(thin, brain2d, config)
+
+
+def test_linear_map_problem_names_non_finite_reflecting_and_singular_maps() -> None:
+    assert linear_map_problem(np.diag([1.2, 0.8, 1.0])) is None
+    assert linear_map_problem(np.diag([-1.0, 1.0, 1.0])) == (
+        "ended with a map that reflects or collapses space (determinant -1)"
+    )
+    assert "determinant 0" in str(linear_map_problem(np.diag([0.0, 1.0, 1.0])))
+    assert linear_map_problem(np.diag([np.nan, 1.0, 1.0])) == "ended with a non-finite map"
+
+
+def test_a_linear_stage_that_worsens_the_similarity_is_discarded() -> None:
+    """Identical images and an affine stage whose steps are far too large: the stage ends worse than the identity
+    it started from, so the identity is kept and the stage's report says why."""
+    grid = Grid.create((24, 20), (1.0, 1.5))
+    image = _blob(grid, (8.0, 18.0))
+    result = register(image, image, cpu_config(linear_stage("affine", [5], learning_rate=50.0), dim=2))
+    np.testing.assert_array_equal(result.transform.matrix, np.eye(3))
+    assert result.stage_warnings == [
+        f"stage 0 (affine): {result.stages[0].warning}"
+    ] and "the affine stage made its similarity worse" in str(result.stages[0].warning)
+    assert result.stages[0].warning.endswith("the result of the earlier stages is kept")
 
 
 # ---- cancel and progress -------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ def test_metrics_content(registration_case):
         "jacobian",
         "invertibility",
         "warnings",
+        "failed_checks",
         "field_of_view_overlap",
         "runtime",
         "peak_memory",
@@ -41,7 +42,7 @@ def test_metrics_content(registration_case):
         "versions",
         "images",
     }
-    assert metrics["warnings"] == []
+    assert metrics["warnings"] == [] and metrics["failed_checks"] == []
     assert set(metrics["similarity"]) == {"ncc", "mse", "lncc"}
     for values in metrics["similarity"].values():
         assert values["after"] < values["before"]
@@ -95,3 +96,26 @@ def test_warnings_name_what_went_wrong(registration_case):
         "the inverse transformation maps points back to within 2.1 mm only",
         "points 0.001 mm apart map up to 1.03 mm apart: the map is discontinuous or stretches extremely",
     ]
+
+
+def test_failed_checks_are_the_warnings_that_make_a_result_wrong(registration_case):
+    import dataclasses
+
+    from regkit.results.metrics import failed_checks
+
+    result = registration_case[0]
+    fine = {"fraction_nonpositive": 0.0, "sdlogj": 0.03, "analytic_min": 0.8, "analytic_max": 12.6}  # extreme: a doubt
+    better, worse = {"ncc": {"before": 0.5, "after": 0.1}}, {"ncc": {"before": 0.1, "after": 0.5}}
+    assert failed_checks(result, better, fine) == []
+    assert failed_checks(result, worse, fine) == [
+        "the registration made the similarity ncc worse than no registration (0.1 -> 0.5)"
+    ]
+    assert failed_checks(result, better, {**fine, "analytic_min": -0.2}) == [
+        "the transformation folds: analytic Jacobian determinant down to -0.2"
+    ]
+    assert failed_checks(result, better, {**fine, "analytic_min": None}) == [
+        "the transformation's Jacobian determinant is not finite"
+    ]
+    # with a fixed mask the similarity that counted is not the whole image's, which metrics.json measures
+    masked = dataclasses.replace(result, fixed_mask=result.fixed)
+    assert failed_checks(masked, worse, fine) == []
