@@ -15,6 +15,7 @@ space. The inverse is ``x = phi_1^-1( ... phi_K^-1(M^-1 y))`` with ``phi_k^-1`` 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ import torch
 
 from regkit import _atomic
 from regkit.cpab.module import CPAB
-from regkit.errors import RegkitError
+from regkit.errors import GeometryError, RegkitError
 from regkit.spatial.grid import Grid
 from regkit.spatial.sampling import sample_image
 
@@ -34,6 +35,9 @@ FORMAT_VERSION = 1
 MAX_STEPS = 1000
 MAX_THETA = 1e4
 MAX_CONDITION = 1e8
+# Boxes of a flow's tessellation: 128^3, one cell per 4 voxels of a 512^3 image (the presets use at most 24^3); a
+# file asking for more would take minutes and gigabytes to rebuild.
+MAX_BOXES = 128**3
 
 
 class TransformFileError(RegkitError):
@@ -42,6 +46,59 @@ class TransformFileError(RegkitError):
 
 def _chunks(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _flow_from_dict(spec: dict, where: str, ndim: int) -> CPAB:
+    """One flow of :meth:`Transformation.from_dict`, validated (its docstring); ``where`` (``FILE: cpab[K]``)
+    prefixes errors. The exceptions of malformed entries (KeyError, TypeError, ValueError, ...) are left to the
+    caller, which names the file in them."""
+    steps, dtype, cells = spec["steps"], spec["dtype"], spec["cells"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise TransformFileError(f"{where}: steps must be an integer in [1, {MAX_STEPS}], got {steps!r}")
+    if dtype not in ("float32", "float64"):
+        raise TransformFileError(f"{where}: dtype must be float32 or float64, got {dtype!r}")
+    if not (
+        isinstance(cells, list)
+        and len(cells) == ndim
+        and all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in cells)
+    ):
+        raise TransformFileError(f"{where}: cells must be {ndim} positive integers, got {cells!r}")
+    if math.prod(cells) > MAX_BOXES:
+        raise TransformFileError(f"{where}: cells {cells} make more than {MAX_BOXES} boxes")
+    if not all(_positive(spec[key]) for key in ("length_scale", "variance")):
+        raise TransformFileError(f"{where}: length_scale and variance must be positive finite numbers")
+    if not isinstance(spec["volume_preserving"], bool):
+        raise TransformFileError(f"{where}: volume_preserving must be true or false")
+    try:  # the flow's frame obeys a grid's rules: a finite origin and an orthonormal direction
+        Grid.create((1,) * ndim, None, spec["origin"], spec["direction"])
+    except GeometryError as err:
+        raise TransformFileError(f"{where}: {err}") from None
+    flow = CPAB(
+        cells,
+        lower=spec["lower"],
+        upper=spec["upper"],
+        origin=spec["origin"],
+        direction=spec["direction"],
+        boundary=spec["boundary"],
+        volume_preserving=spec["volume_preserving"],
+        steps=steps,
+        length_scale=float(spec["length_scale"]),
+        variance=float(spec["variance"]),
+    )
+    flow = flow.to(getattr(torch, dtype))
+    theta = np.asarray(spec["theta"], dtype=np.float64)
+    if not (np.isfinite(theta).all() and np.abs(theta).max(initial=0.0) <= MAX_THETA):
+        raise TransformFileError(f"{where}: theta must be finite and at most {MAX_THETA:g} in size")
+    if theta.shape != tuple(flow.theta.shape):
+        raise TransformFileError(f"{where}: theta has shape {theta.shape} but the tessellation needs ({flow.basis.d},)")
+    with torch.no_grad():
+        flow.theta.copy_(torch.from_numpy(theta))
+    flow.requires_grad_(False)
+    return flow
 
 
 @dataclass
@@ -182,7 +239,13 @@ class Transformation:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "<dict>") -> Transformation:
-        """Rebuild a transformation from :meth:`to_dict`'s output; ``source`` names the file in errors."""
+        """Rebuild a transformation from :meth:`to_dict`'s output; ``source`` names the file in errors.
+
+        Guarantees a valid transformation (a finite, invertible matrix of the grid's dimension; flows of that
+        dimension with at most :data:`MAX_BOXES` boxes, a finite origin and orthonormal direction, ``steps`` in [1,
+        :data:`MAX_STEPS`], finite ``theta`` within :data:`MAX_THETA`, positive finite prior settings) or raises
+        :class:`TransformFileError` with one line naming ``source``.
+        """
         try:
             if data.get("format") != "regkit-transform" or data.get("version") != FORMAT_VERSION:
                 raise TransformFileError(
@@ -190,40 +253,13 @@ class Transformation:
                     f"(format={data.get('format')!r}, version={data.get('version')!r})"
                 )
             g = data["fixed_grid"]
-            grid = Grid.create(g["size"], g["spacing"], g["origin"], g["direction"])
-            flows = []
-            for spec in data["cpab"]:
-                steps, dtype = spec["steps"], spec["dtype"]
-                if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
-                    raise TransformFileError(
-                        f"{source}: cpab steps must be an integer in [1, {MAX_STEPS}], got {steps!r}"
-                    )
-                if dtype not in ("float32", "float64"):
-                    raise TransformFileError(f"{source}: cpab dtype must be float32 or float64, got {dtype!r}")
-                flow = CPAB(
-                    spec["cells"],
-                    lower=spec["lower"],
-                    upper=spec["upper"],
-                    origin=spec["origin"],
-                    direction=spec["direction"],
-                    boundary=spec["boundary"],
-                    volume_preserving=spec["volume_preserving"],
-                    steps=spec["steps"],
-                    length_scale=spec["length_scale"],
-                    variance=spec["variance"],
-                )
-                flow = flow.to(getattr(torch, dtype))
-                theta = torch.tensor(spec["theta"], dtype=torch.float64)
-                if theta.numel() and not (bool(torch.isfinite(theta).all()) and float(theta.abs().max()) <= MAX_THETA):
-                    raise TransformFileError(f"{source}: theta must be finite and at most {MAX_THETA:g} in size")
-                if theta.shape != flow.theta.shape:
-                    raise TransformFileError(
-                        f"{source}: theta has {theta.numel()} entries but the tessellation needs {flow.basis.d}"
-                    )
-                with torch.no_grad():
-                    flow.theta.copy_(theta)
-                flow.requires_grad_(False)
-                flows.append(flow)
+            try:
+                grid = Grid.create(g["size"], g["spacing"], g["origin"], g["direction"])
+            except GeometryError as err:
+                raise TransformFileError(f"{source}: fixed_grid: {err}") from None
+            if not isinstance(data["cpab"], list):
+                raise TransformFileError(f"{source}: cpab must be a list")
+            flows = [_flow_from_dict(spec, f"{source}: cpab[{k}]", grid.ndim) for k, spec in enumerate(data["cpab"])]
             matrix = np.asarray(data["matrix"], dtype=np.float64)
             if matrix.shape != (grid.ndim + 1, grid.ndim + 1):
                 raise TransformFileError(f"{source}: matrix must be {grid.ndim + 1}x{grid.ndim + 1}")
@@ -231,8 +267,9 @@ class Transformation:
                 raise TransformFileError(f"{source}: matrix holds non-finite values")
             if np.linalg.cond(matrix[: grid.ndim, : grid.ndim]) > MAX_CONDITION:
                 raise TransformFileError(f"{source}: matrix is singular or nearly so (not invertible)")
-        except (KeyError, TypeError, ValueError) as err:
-            raise TransformFileError(f"{source}: invalid transform file ({type(err).__name__}: {err})") from err
+        except (KeyError, IndexError, TypeError, ValueError, OverflowError, RuntimeError) as err:
+            reason = " ".join(str(err).split())  # numpy's and torch's messages may span lines
+            raise TransformFileError(f"{source}: invalid transform file ({type(err).__name__}: {reason})") from None
         return cls(grid, matrix, flows)
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -244,11 +281,13 @@ class Transformation:
         """Read a transformation written by :meth:`save` (``transform.json``)."""
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError as err:
-            raise TransformFileError(f"{path}: no such file") from err
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise TransformFileError(f"{path}: not a readable JSON transform file ({err})") from err
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise TransformFileError(f"{path}: no such file") from None
+        except RecursionError:
+            raise TransformFileError(f"{path}: not a regkit transform file (nested too deeply)") from None
+        except (OSError, ValueError) as err:  # ValueError: UnicodeDecodeError, JSONDecodeError, over-long integers
+            raise TransformFileError(f"{path}: not a readable JSON transform file ({err})") from None
         if not isinstance(data, dict):
             raise TransformFileError(f"{path}: not a regkit transform file")
         return cls.from_dict(data, str(path))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import glob as globlib
+import io
 import os
 import string
 from dataclasses import dataclass
@@ -23,6 +24,9 @@ from regkit.errors import ConfigError
 from regkit.options import KeyPath, Model, Seq, invalid
 
 _LAYOUT_FIELDS = {"out", "fixed_stem", "moving_stem", "fixed_parent", "moving_parent", "index"}
+# A job folder's names and path, in bytes: the limits of common file systems (NAME_MAX, PATH_MAX on Linux).
+MAX_NAME_BYTES = 255
+MAX_PATH_BYTES = 4096
 _IMAGE_SUFFIXES = (".nii.gz", ".nii", ".mha", ".mhd", ".nrrd", ".nhdr", ".png")
 
 
@@ -84,10 +88,16 @@ class BatchSpec(Model):
     @field_validator("layout")
     @classmethod
     def _layout(cls, layout: str) -> str:
-        fields = {name for _, name, _, _ in string.Formatter().parse(layout) if name is not None}
+        try:
+            parts = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(layout)]
+        except ValueError as err:
+            raise invalid(f"not a valid layout ({err}; a literal brace is written twice: {{{{ or }}}})") from None
+        fields = {name for name, _, _ in parts if name is not None}
         unknown = fields - _LAYOUT_FIELDS
         if unknown:
             raise invalid(f"unknown field {{{sorted(unknown)[0]}}} (fields: {', '.join(sorted(_LAYOUT_FIELDS))})")
+        if any(spec or conversion for name, spec, conversion in parts if name is not None):
+            raise invalid("fields take no format spec or conversion (write {index}, not {index:03} or {index!r})")
         if not layout.startswith("{out}/"):
             raise invalid("must start with {out}/ (job folders live in the output root)")
         return layout
@@ -151,23 +161,34 @@ class _SpecReader:
         csv_path = self.path(value)
         where = self.where(("csv",))
         try:
-            text = csv_path.read_text(encoding="utf-8")
+            data = csv_path.read_bytes()
         except OSError as err:
             raise ConfigError(f"{where}: cannot read {csv_path} ({err.strerror})") from None
-        reader = csv.DictReader(text.splitlines())
-        columns = reader.fieldnames or []
-        unknown = [c for c in columns if c not in INPUT_KEYS]
-        missing = [c for c in ("fixed", "moving") if c not in columns]
-        if unknown or missing:
-            problem = f"unknown column {unknown[0]!r}" if unknown else f"missing column {missing[0]!r}"
-            raise ConfigError(f"{csv_path}:1: {problem} (columns: {', '.join(INPUT_KEYS)})")
-        drafts = []
-        for row in reader:
-            line = reader.line_num
-            if not row.get("fixed") or not row.get("moving"):
-                raise ConfigError(f"{csv_path}:{line}: fixed and moving must both be given")
-            inputs = {k: self.path(row[k], csv_path.parent) if row.get(k) else None for k in INPUT_KEYS}
-            drafts.append(_Draft(inputs, {k: f"{csv_path}:{line}: {k}" for k in INPUT_KEYS}))
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = data.count(b"\n", 0, err.start) + 1
+            raise ConfigError(f"{csv_path}:{line}: not a UTF-8 text file") from None
+        if "\0" in text:
+            line = text.count("\n", 0, text.index("\0")) + 1
+            raise ConfigError(f"{csv_path}:{line}: a NUL character (\\0)")
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        try:
+            columns = reader.fieldnames or []
+            unknown = [c for c in columns if c not in INPUT_KEYS]
+            missing = [c for c in ("fixed", "moving") if c not in columns]
+            if unknown or missing:
+                problem = f"unknown column {unknown[0]!r}" if unknown else f"missing column {missing[0]!r}"
+                raise ConfigError(f"{csv_path}:1: {problem} (columns: {', '.join(INPUT_KEYS)})")
+            drafts = []
+            for row in reader:
+                line = reader.line_num
+                if not row.get("fixed") or not row.get("moving"):
+                    raise ConfigError(f"{csv_path}:{line}: fixed and moving must both be given")
+                inputs = {k: self.path(row[k], csv_path.parent) if row.get(k) else None for k in INPUT_KEYS}
+                drafts.append(_Draft(inputs, {k: f"{csv_path}:{line}: {k}" for k in INPUT_KEYS}))
+        except csv.Error as err:
+            raise ConfigError(f"{csv_path}:{reader.line_num}: invalid CSV ({err})") from None
         if not drafts:
             raise ConfigError(f"{where}: {csv_path} lists no pairs")
         return drafts
@@ -228,10 +249,13 @@ def _check_input(path: Path, where: str) -> int:
     from regkit.errors import ImageReadError
     from regkit.io import format_of
 
-    if path.is_dir():
-        return 3
-    if not path.is_file():
-        raise ConfigError(f"{where}: no such file: {path}")
+    try:
+        if path.is_dir():
+            return 3
+        if not path.is_file():
+            raise ConfigError(f"{where}: no such file: {path}")
+    except OSError as err:  # e.g. a name too long for the file system
+        raise ConfigError(f"{where}: cannot read {path} ({err.strerror})") from None
     try:
         format_of(path, ImageReadError)
     except ImageReadError as err:
@@ -263,6 +287,7 @@ def load_spec(spec_path: str | os.PathLike, manifest: str | os.PathLike | None =
         drafts += reader.from_glob(spec.glob)
 
     root = reader.path(spec.output)
+    real_root = Path(os.path.realpath(root))
     if manifest is not None:
         manifest_path, where = Path(os.path.abspath(manifest)), "--manifest"
     elif spec.manifest is not None:
@@ -275,7 +300,7 @@ def load_spec(spec_path: str | os.PathLike, manifest: str | os.PathLike | None =
     default_layers: dict[int, Layer] = {}  # image dimension -> the defaults' layer
     default_configs: dict[int, RegistrationConfig] = {}
     dims: dict[Path, int] = {}
-    seen: dict[Path, str] = {}
+    seen: dict[Path, str] = {}  # real path of a job folder -> the job
     jobs = []
     for index, draft in enumerate(drafts):
         for key in INPUT_KEYS:
@@ -314,13 +339,33 @@ def load_spec(spec_path: str | os.PathLike, manifest: str | os.PathLike | None =
                 )
             )
         )
+        real_dir = Path(os.path.realpath(out_dir))
         if out_dir == root or root not in out_dir.parents:
             raise ConfigError(f"{reader.where(('layout',))}: {out_dir} is not a folder inside the output root {root}")
-        if out_dir in seen:
+        if real_dir == real_root or real_root not in real_dir.parents:
+            raise ConfigError(
+                f"{reader.where(('layout',))}: {out_dir} leads to {real_dir} through a symbolic link, which is not "
+                f"inside the output root {real_root}"
+            )
+        name = out_dir.relative_to(root)
+        long_names = [part for part in name.parts if len(os.fsencode(part)) > MAX_NAME_BYTES]
+        path_bytes = len(os.fsencode(out_dir))
+        if long_names or path_bytes > MAX_PATH_BYTES:
+            problem = (
+                f"the name {long_names[0][:40]!r}... has {len(os.fsencode(long_names[0]))} bytes (at most "
+                f"{MAX_NAME_BYTES})"
+                if long_names
+                else f"its path has {path_bytes} bytes (at most {MAX_PATH_BYTES})"
+            )
+            raise ConfigError(
+                f"{reader.where(('layout',))}: the output folder of job {index} ({fixed.name}, {moving.name}) is too "
+                f"long: {problem}"
+            )
+        if real_dir in seen:
             raise ConfigError(
                 f"{draft.where['moving']}: job {index} ({fixed.name}, {moving.name}) has the same output folder "
-                f"{out_dir} as {seen[out_dir]}; use a layout with more fields (e.g. {{index}} or {{fixed_parent}})"
+                f"{out_dir} as {seen[real_dir]}; use a layout with more fields (e.g. {{index}} or {{fixed_parent}})"
             )
-        seen[out_dir] = f"job {index} ({fixed.name}, {moving.name})"
-        jobs.append(Job(out_dir.relative_to(root).as_posix(), draft.inputs, config, out_dir))
+        seen[real_dir] = f"job {index} ({fixed.name}, {moving.name})"
+        jobs.append(Job(name.as_posix(), draft.inputs, config, out_dir))
     return Plan(spec_path.absolute(), root, jobs, manifest_path)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -31,6 +31,9 @@ from regkit.options import KeyPath, did_you_mean
 
 __all__ = [
     "DEFAULT_PRESETS",
+    "MAX_YAML_BYTES",
+    "MAX_YAML_DEPTH",
+    "MAX_YAML_NODES",
     "Layer",
     "Origin",
     "Source",
@@ -50,8 +53,62 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+MAX_YAML_BYTES = 4 * 2**20
+"""The largest YAML file regkit reads (4 MiB); configurations take a few kB."""
+MAX_YAML_NODES = 100_000
+"""The most nodes (keys, values, list items) a YAML document may hold, each alias counted as the nodes it repeats: a
+bound on the time and memory of reading it (about 7 s at the limit; an "alias bomb" of a few hundred bytes would
+expand to billions). A batch spec of 10,000 explicit jobs holds about 50,000; longer lists belong in its CSV."""
+MAX_YAML_DEPTH = 64
+"""The deepest nesting of mappings and lists a YAML document may have, aliases expanded (regkit's files nest up to
+about ten levels)."""
+
+
 class _Loader(yaml.SafeLoader):
-    """The safe loader, also reading YAML 1.2 floats without a dot (``1e-5``) as floats rather than strings."""
+    """The safe loader, also reading YAML 1.2 floats without a dot (``1e-5``) as floats rather than strings, and
+    refusing, as a :class:`ConfigError` ``LABEL:LINE: ...``, what would exhaust memory, time or the stack: recursive
+    aliases, more than :data:`MAX_YAML_NODES` nodes and nesting deeper than :data:`MAX_YAML_DEPTH`."""
+
+    def __init__(self, text: str, label: str) -> None:
+        super().__init__(text)
+        self.label = label
+        self.depth = 0  # nodes being composed: the ancestors of the next one
+        self.nodes = 0  # nodes composed so far, each alias counted as the nodes it repeats
+        self.expanded: dict[int, tuple[int, int]] = {}  # id of a composed node -> (nodes, height), aliases expanded
+
+    def refuse(self, line: int, problem: str) -> NoReturn:
+        raise ConfigError(f"{self.label}:{line}: {problem}")
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        event = self.peek_event()
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.AliasEvent):
+            node = super().compose_node(parent, index)
+            if id(node) not in self.expanded:
+                self.refuse(line, f"the alias *{event.anchor} is inside its own anchor (recursive aliases are refused)")
+            nodes, height = self.expanded[id(node)]
+            if self.depth + height > MAX_YAML_DEPTH:
+                self.refuse(line, f"nested more than {MAX_YAML_DEPTH} levels deep once aliases are expanded")
+            self.count(nodes, line)
+            return node
+        if self.depth == MAX_YAML_DEPTH:
+            self.refuse(line, f"nested more than {MAX_YAML_DEPTH} levels deep")
+        self.depth += 1
+        node = super().compose_node(parent, index)
+        self.depth -= 1
+        pairs_or_nodes = node.value if isinstance(node, yaml.CollectionNode) else []
+        children = [n for child in pairs_or_nodes for n in (child if isinstance(child, tuple) else (child,))]
+        self.expanded[id(node)] = (
+            1 + sum(self.expanded[id(n)][0] for n in children),
+            1 + max((self.expanded[id(n)][1] for n in children), default=0),
+        )
+        self.count(1, line)  # its descendants were counted as they were composed
+        return node
+
+    def count(self, nodes: int, line: int) -> None:
+        self.nodes += nodes
+        if self.nodes > MAX_YAML_NODES:
+            self.refuse(line, f"more than {MAX_YAML_NODES} YAML nodes, each alias counted as the nodes it repeats")
 
 
 _Loader.add_implicit_resolver(
@@ -73,9 +130,13 @@ class Layer:
 
 
 def parse(text: str, label: str) -> Layer:
-    """Parse one YAML document into a mapping, recording the line of every key and list item."""
+    """Parse one YAML document into a mapping, recording the line of every key and list item.
+
+    Every problem is a :class:`ConfigError` ``LABEL:LINE: ...``: invalid YAML, unsafe tags, a value its tag cannot
+    hold, duplicate or non-string keys, and the limits of :data:`MAX_YAML_NODES` and :data:`MAX_YAML_DEPTH`.
+    """
     try:
-        loader = _Loader(text)
+        loader = _Loader(text, label)
         try:
             node = loader.get_single_node()
             if node is None or node.tag == "tag:yaml.org,2002:null":
@@ -100,42 +161,69 @@ def read_yaml(path: Path, label: str, where: str = "", hint: str = "") -> Layer:
     """Read and parse the YAML file ``path``, named ``label`` in messages: the one reader of every YAML file regkit
     takes (configurations, batch specs, training recipes).
 
-    Read errors are one line ``{where}{label}: no such file{hint}`` (or ``not a UTF-8 text file``, ``cannot read
-    (REASON)``); ``where`` prefixes them (the ``FILE:LINE: key:`` that named the file, or nothing), ``hint`` follows a
-    missing file. Parse errors are those of :func:`parse`.
+    Read errors are one line ``{where}{label}: no such file{hint}`` (or ``LINE: not a UTF-8 text file``, ``larger
+    than 4 MiB`` (:data:`MAX_YAML_BYTES`), ``cannot read (REASON)``); ``where`` prefixes them (the ``FILE:LINE: key:``
+    that named the file, or nothing), ``hint`` follows a missing file. Parse errors are those of :func:`parse`.
     """
     try:
-        text = path.read_bytes().decode("utf-8")
+        with path.open("rb") as file:
+            data = file.read(MAX_YAML_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"{where}{label}: no such file{hint}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{where}{label}: not a UTF-8 text file") from None
     except OSError as err:
         raise ConfigError(f"{where}{label}: cannot read ({err.strerror})") from None
+    if len(data) > MAX_YAML_BYTES:
+        raise ConfigError(
+            f"{where}{label}: larger than {MAX_YAML_BYTES >> 20} MiB, the most regkit reads from a YAML file"
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ConfigError(f"{where}{label}:{line}: not a UTF-8 text file") from None
     return parse(text, label)
+
+
+def _scalar(loader: _Loader, node: yaml.Node, path: KeyPath, label: str) -> Any:
+    """The Python value of a scalar node (or of a collection with an explicit tag: ``!!set``, ...), safe semantics; a
+    value its tag cannot hold (an integer of 5,000 digits, a 13th month) and a string holding a NUL character (which
+    no path or name may hold) are a located :class:`ConfigError`."""
+    where = f"{label}:{node.start_mark.line + 1}: {format_path(path) or 'top level'}"
+    try:
+        value = loader.construct_object(node, deep=True)
+    except (ValueError, OverflowError) as err:
+        raise ConfigError(f"{where}: not a valid {node.tag.rsplit(':', 1)[-1]} ({err})") from None
+    if isinstance(value, str) and "\0" in value:
+        raise ConfigError(f"{where}: a NUL character (\\0) in {value!r}")
+    return value
+
+
+def _key(loader: _Loader, node: yaml.Node, path: KeyPath, label: str) -> str:
+    """The key of a mapping at ``path``, which must be a string."""
+    key = _scalar(loader, node, path, label)
+    if not isinstance(key, str):
+        where = f"{label}:{node.start_mark.line + 1}: {format_path(path) or 'top level'}"
+        raise ConfigError(f"{where}: keys must be strings (got {show(key)})")
+    return key
 
 
 def _construct(loader: _Loader, node: yaml.Node, path: KeyPath, label: str, origins: dict[KeyPath, Origin]) -> Any:
     """Build the Python value of ``node`` (safe semantics), rejecting duplicate and non-string keys."""
     if isinstance(node, yaml.MappingNode) and node.tag == "tag:yaml.org,2002:map":
-        seen: dict[Any, int] = {}
+        seen: dict[str, int] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
-            key = loader.construct_object(key_node)
+            key = _key(loader, key_node, path, label)
             line = key_node.start_mark.line + 1
-            if not isinstance(key, str):
-                raise ConfigError(
-                    f"{label}:{line}: {format_path(path) or 'top level'}: keys must be strings (got {key!r})"
-                )
             if key in seen:
                 where = f"{format_path((*path, key))}: duplicate key"
                 raise ConfigError(f"{label}:{line}: {where} (first set on line {seen[key]})")
             seen[key] = line
-        loader.flatten_mapping(node)
+        loader.flatten_mapping(node)  # merged keys (<<) first, then the node's own keys, which override them
         mapping: dict[str, Any] = {}
         for key_node, value_node in node.value:
-            key = loader.construct_object(key_node)
+            key = _key(loader, key_node, path, label)
             origins[(*path, key)] = (label, key_node.start_mark.line + 1)
             mapping[key] = _construct(loader, value_node, (*path, key), label, origins)
         return mapping
@@ -145,7 +233,7 @@ def _construct(loader: _Loader, node: yaml.Node, path: KeyPath, label: str, orig
             origins[(*path, i)] = (label, item.start_mark.line + 1)
             items.append(_construct(loader, item, (*path, i), label, origins))
         return items
-    return loader.construct_object(node, deep=True)  # scalars, and collections with explicit tags (!!set, ...)
+    return _scalar(loader, node, path, label)
 
 
 def from_python(data: Mapping[str, Any], label: str) -> Layer:
@@ -238,6 +326,14 @@ class Source:
     folder: Path
 
 
+def _is_file(path: Path) -> bool:
+    """Whether ``path`` is a file; False also where the name cannot be looked up (too long, say)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def open_config(ref: str | Path, folder: Path, where: str) -> Source:
     """Find, read and parse a configuration: a preset name, or a YAML path relative to ``folder``.
 
@@ -251,7 +347,7 @@ def open_config(ref: str | Path, folder: Path, where: str) -> Source:
     else:
         path = folder / Path(ref).expanduser()
         label = str(ref) if Path(ref).is_absolute() or folder == Path() else str(path)
-        if not is_path and not path.is_file():
+        if not is_path and not _is_file(path):
             raise ConfigError(
                 f"{where}{ref!r} is neither a YAML file nor a preset{did_you_mean(str(ref), presets)} "
                 f"(presets: {', '.join(presets)})"

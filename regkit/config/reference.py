@@ -36,6 +36,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from regkit.config.layers import MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES
+
 __all__ = ["PARTS", "Part", "main", "render_reference"]
 
 
@@ -77,7 +79,9 @@ The spec of `regkit batch SPEC.yaml` ([batch.md](batch.md); a commented example:
 [configs/batch/example.yaml](../configs/batch/example.yaml)).
 Relative paths are relative to the spec's folder (paths in a CSV: to the CSV's folder). At least one of `jobs`, `csv`
 and `glob` is needed; they may be combined. `layout` must start with `{out}/` and may use the fields `out`,
-`fixed_stem`, `moving_stem`, `fixed_parent`, `moving_parent` and `index`."""
+`fixed_stem`, `moving_stem`, `fixed_parent`, `moving_parent` and `index`, each plain (`{index}`: no format spec or
+conversion). Every job folder must lie inside the output root, also once symbolic links are followed, with names of
+at most 255 bytes and a path of at most 4096. A CSV is UTF-8 text."""
 
 _TRAINING_INTRO = """\
 The recipe of `regkit train-features RECIPE -o OUT` ([features.md](features.md)): a YAML file, or the name of a
@@ -100,7 +104,11 @@ Every key of the YAML files regkit reads, with its type, allowed values, default
 `number` (an integer or a decimal), `bool` (`true` or `false`), `string`, `path`; `list of T` is a YAML sequence,
 `mapping` a YAML mapping of its own keys (linked); `null` is YAML's null (`null` or `~`). A key without a default
 is required.
-"""
+
+Every YAML file is read with safe semantics (no Python tags) and within bounds: at most {bytes} MiB, {nodes} nodes
+(keys, values and list items, each alias counted as the nodes it repeats) and {depth} levels of nesting; an alias may
+not refer to a node that contains it, and strings may not hold NUL characters.
+""".format(bytes=MAX_YAML_BYTES >> 20, nodes=f"{MAX_YAML_NODES:,}", depth=MAX_YAML_DEPTH)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Walking a tree of models

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from regkit.batch import load_spec
+from regkit.batch.spec import MAX_NAME_BYTES, MAX_PATH_BYTES
 from regkit.errors import ConfigError
 from regkit.io import write_image
 from tests.regkit.batch.batch_cases import LIST_SPEC, blob, make_data, write_spec
@@ -36,6 +37,15 @@ from tests.regkit.batch.batch_cases import LIST_SPEC, blob, make_data, write_spe
             "glob.atlas: pairing 'atlas' needs 'atlas'",
         ),
         ("defaults: tiny.yaml\noutput: out\nlayout: '{out}/{stem}'\njobs: []\n", "batch.yaml:3: layout: unknown field"),
+        (
+            "defaults: tiny.yaml\noutput: out\nlayout: '{out}/{index:>500000000}'\njobs: []\n",
+            "batch.yaml:3: layout: fields take no format spec or conversion",
+        ),
+        (
+            "defaults: tiny.yaml\noutput: out\nlayout: '{out}/{moving_stem!r}'\njobs: []\n",
+            "batch.yaml:3: layout: fields take no format spec or conversion",
+        ),
+        ("defaults: tiny.yaml\noutput: out\nlayout: '{out}/{'\njobs: []\n", "batch.yaml:3: layout: not a valid layout"),
         (
             "defaults: tiny.yaml\noutput: out\nlayout: '{out}/{fixed_stem}'\n" + LIST_SPEC.split("output: out\n")[1],
             "batch.yaml:6: jobs[1].moving: job 1 (a.nii.gz, c.nii.gz) has the same output folder",
@@ -127,3 +137,51 @@ def test_spec_without_defaults_takes_the_default_configuration_of_each_dimension
     plan = load_spec(write_spec(tmp_path, body))
     assert plan.jobs[0].config == default_config(2)
     assert plan.jobs[1].config == default_config(2).model_copy(update={"seed": 3})
+
+
+def test_csv_not_utf8_or_with_a_nul_is_located(tmp_path):
+    make_data(tmp_path)
+    spec = write_spec(tmp_path, "defaults: tiny.yaml\noutput: out\ncsv: pairs.csv\n")
+    csv_path = tmp_path / "pairs.csv"
+    csv_path.write_bytes(
+        "fixed,moving\ndata/a.nii.gz,data/b.nii.gz\ndata/caf\u00e9.nii.gz,data/b.nii.gz\n".encode("latin-1")
+    )
+    with pytest.raises(ConfigError) as err:
+        load_spec(spec)
+    assert str(err.value) == f"{csv_path}:3: not a UTF-8 text file"
+    csv_path.write_bytes(b"fixed,moving\ndata/a.nii.gz,data/b\x00.nii.gz\n")
+    with pytest.raises(ConfigError) as err:
+        load_spec(spec)
+    assert str(err.value) == f"{csv_path}:2: a NUL character (\\0)"
+
+
+def test_job_folders_must_really_be_inside_the_output_root(tmp_path):
+    """The containment check follows symbolic links: a link inside the root that leads out of it is refused, and two
+    layouts that lead to one real folder are one folder."""
+    make_data(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "link").symlink_to(tmp_path / "elsewhere")
+    spec = write_spec(tmp_path, LIST_SPEC + "layout: '{out}/link/{moving_stem}'\n")
+    with pytest.raises(ConfigError) as err:
+        load_spec(spec)
+    message = str(err.value)
+    assert message.startswith(f"{spec}:6: layout: {tmp_path / 'out' / 'link' / 'b'} leads to ")
+    assert f"{tmp_path / 'elsewhere' / 'b'} through a symbolic link" in message
+    (tmp_path / "out" / "b").symlink_to(tmp_path / "out" / "c")  # inside the root: allowed, but b and c are one folder
+    with pytest.raises(ConfigError, match=r"batch.yaml:5: jobs\[1\].moving: job 1 \(a.nii.gz, c.nii.gz\) has the same"):
+        load_spec(write_spec(tmp_path, LIST_SPEC + "layout: '{out}/{moving_stem}'\n"))
+
+
+def test_output_folders_too_long_for_a_file_system_are_refused(tmp_path):
+    make_data(tmp_path)
+    spec = write_spec(tmp_path, LIST_SPEC + f"layout: '{{out}}/{'x' * 255}_{{moving_stem}}'\n")
+    with pytest.raises(ConfigError) as err:
+        load_spec(spec)
+    assert str(err.value) == (
+        f"{spec}:6: layout: the output folder of job 0 (a.nii.gz, b.nii.gz) is too long: the name "
+        f"'{'x' * 40}'... has 257 bytes (at most {MAX_NAME_BYTES})"
+    )
+    deep = write_spec(tmp_path, LIST_SPEC + f"layout: '{{out}}/{'a/' * 2100}{{moving_stem}}'\n")
+    with pytest.raises(ConfigError, match=rf"its path has \d+ bytes \(at most {MAX_PATH_BYTES}\)"):
+        load_spec(deep)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from regkit.config import (
     FeaturesSimilarity,
     dump_config,
     list_presets,
     load_config,
 )
+from regkit.config.layers import MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_NODES
 from tests.regkit.config.yaml_files import config_error, write_yaml
 
 
@@ -136,3 +139,68 @@ stages:
 """
     cfg = load_config(str(write_yaml(tmp_path, text)))
     assert cfg.stages[0].pyramid == cfg.stages[1].pyramid
+
+
+def test_merge_keys_load(tmp_path):
+    text = """\
+base: quick-2d
+stages:
+  - type: affine
+    similarity: &sim {name: ncc}
+    optimizer: &opt {learning_rate: 0.1, iterations: 5}
+  - type: cpab
+    similarity: *sim
+    optimizer: {<<: *opt, iterations: 3}
+    tessellation: [2, 4]
+    pyramid: [{shrink: 2, smoothing: 1.0}, {shrink: 1, smoothing: 0.0}]
+"""
+    cfg = load_config(str(write_yaml(tmp_path, text)))
+    affine, cpab = cfg.stages
+    assert affine.similarity == cpab.similarity
+    assert (cpab.optimizer.learning_rate, cpab.optimizer.iterations) == (0.1, 3)
+
+
+def alias_bomb(levels: int) -> str:
+    """Billion laughs: ``levels`` anchored lists, each of nine aliases of the one before (9**levels strings)."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (alias_bomb(9), f":6: more than {MAX_YAML_NODES} YAML nodes, each alias counted as the nodes it repeats"),
+        ("seed: 1\nx: &x [1, *x]\n", ":2: the alias *x is inside its own anchor"),
+        ("x: &x {a: {b: *x}}\n", ":1: the alias *x is inside its own anchor"),
+        ("x: &x {<<: *x}\n", ":1: the alias *x is inside its own anchor"),
+        ("x: " + "[" * 10_000 + "]" * 10_000 + "\n", f":1: nested more than {MAX_YAML_DEPTH} levels deep"),
+        ("x:" + "".join("\n" + "  " * (i + 1) + "-" for i in range(200)) + " 1\n", ":65: nested more than"),
+        (
+            "a0: &a0 [1]\n" + "".join(f"a{i}: &a{i} [*a{i - 1}]\n" for i in range(1, 100)),
+            f":63: nested more than {MAX_YAML_DEPTH} levels deep once aliases are expanded",
+        ),
+        (
+            "a0: &a0 {k: 1}\n" + "".join(f"a{i}: &a{i} {{<<: *a{i - 1}}}\n" for i in range(1, 100)),
+            "levels deep once aliases are expanded",
+        ),
+        ("seed: " + "1" * 5000 + "\n", ":1: seed: not a valid int (Exceeds the limit (4300 digits)"),
+        ("stages:\n  - type: 2001-13-45\n", ":2: stages[0].type: not a valid timestamp (month must be in 1..12)"),
+        ('device: "cpu\\0"\n', ":1: device: a NUL character (\\0) in 'cpu\\x00'"),
+        ("outputs: {<<: {1: x}}\n", ":1: outputs: keys must be strings (got an integer 1)"),
+    ],
+)
+def test_hostile_yaml_is_refused_in_one_line_at_its_line(tmp_path, text, message):
+    """Alias bombs, recursive aliases (also through merge keys), deep nesting (also through chains of aliases), values
+    their tag cannot hold, NUL characters and non-string keys: one line, the file and the line."""
+    path = write_yaml(tmp_path, text)
+    error = config_error(str(path))
+    assert error.startswith(str(path)) and message in error
+
+
+def test_files_over_the_size_limit_and_non_utf8_files_are_refused(tmp_path):
+    big = write_yaml(tmp_path, "seed: 1\n" + "#" * MAX_YAML_BYTES + "\n", "big.yaml")
+    assert config_error(str(big)) == f"{big}: larger than 4 MiB, the most regkit reads from a YAML file"
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("seed: 1\n# caf\u00e9\n".encode("latin-1"))
+    assert config_error(str(latin1)) == f"{latin1}:2: not a UTF-8 text file"
