@@ -9,6 +9,8 @@ Where each part lives:
 * :mod:`regkit.io.image`: :class:`Image`, a tensor with its :class:`~regkit.spatial.Grid`;
 * :mod:`regkit.io.files`: :func:`read_image`, :func:`read_image_nibabel`, :func:`write_image` (NIfTI, MetaImage, NRRD,
   PNG, DICOM series; what each format keeps);
+* :mod:`regkit.io.preflight`: the checks made before a native reader opens a file (name, kind of file, voxel files
+  named by headers, declared size against memory);
 * :mod:`regkit.io.orientation`: header geometry (NIfTI sform/qform by ITK's rules), :func:`orientation_code`,
   :func:`reorient`;
 * :mod:`regkit.io.describe`: :func:`describe_image`;

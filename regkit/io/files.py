@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
+import math
 import os
 import re
 import warnings
@@ -51,11 +52,12 @@ from regkit.errors import (
 )
 from regkit.io.image import Image
 from regkit.io.orientation import NO_NIFTI_ORIENTATION, grid_from_header, itk_nifti_affine
+from regkit.io.preflight import DATA_FILES_ANYWHERE, check_declared_size, check_text_header, input_kind, native_name
 from regkit.spatial.grid import Grid
 
 if TYPE_CHECKING:
     from nibabel.arrayproxy import ArrayProxy
-    from nibabel.nifti1 import Nifti1Header
+    from nibabel.nifti1 import Nifti1Header, Nifti1Image
 
 __all__ = [
     "DATA_FILES_ANYWHERE",
@@ -79,16 +81,8 @@ _FORMATS = {
 }
 SUPPORTED_EXTENSIONS: tuple[str, ...] = tuple(_FORMATS)
 
-# The header line naming a MetaImage's or detached NRRD header's voxel file(s): LOCAL (MetaImage: the voxels follow),
-# LIST (names on the following lines), a printf pattern with its range ("slice%03d.raw 1 10 1"), or one file name.
-_DATA_FILE_LINE = {
-    "MetaImage": re.compile(rb"^[ \t]*ElementDataFile[ \t]*=[ \t]*(\S[^\r\n]*?)[ \t]*\r?$", re.M),
-    "NRRD": re.compile(rb"^[ \t]*data ?file[ \t]*:[ \t]*(\S[^\r\n]*?)[ \t]*\r?$", re.M | re.I),
-}
-_HEADER_BYTES = 1 << 16  # headers are read this far for their data-file line
-DATA_FILES_ANYWHERE = "REGKIT_DATA_FILES_ANYWHERE"
-"""Set to 1 to let MetaImage and NRRD headers name voxel files outside their own folder (refused by default: a header
-could otherwise make regkit read any file the user can, e.g. ``ElementDataFile = /etc/passwd``)."""
+# Where a single-file NIfTI's voxels may start at the earliest: after the header and its 4 extension bytes.
+_NIFTI_FIRST_VOXEL = {348: 352, 540: 544}
 
 # numpy voxel types kept as they are, and those widened to a signed type that holds all their values.
 _KEPT_DTYPES = {np.dtype(t) for t in (np.uint8, np.int8, np.int16, np.int32, np.int64, np.float32, np.float64)}
@@ -105,7 +99,11 @@ def read_image(path: str | os.PathLike, *, ndim: int | None = None, check_finite
     Geometry always comes from SimpleITK (for NIfTI, ITK's choice between sform and qform; see
     :func:`read_image_nibabel`). Voxels come from SimpleITK too, except for NIfTI, whose voxels nibabel reads (scaled
     as ITK scales them) because ITK's NIfTI library silently turns NaN/Inf voxels into 0 and fills the missing part of
-    a truncated file with 0; here the whole file (the whole gzip stream, CRC included) is read and checked.
+    a truncated file with 0; here the file is read exactly as far as its header declares, and checked.
+
+    Before any native reader opens the file (:mod:`regkit.io.preflight`): its name must be one SimpleITK can take,
+    it must be a regular file (or a DICOM folder), the voxel files a MetaImage/NRRD header names must be regular
+    files in its folder, and the voxels its header declares must fit into the memory available and into the file.
 
     Trailing axes of size 1 beyond the third (e.g. a 3D volume stored with one time point) are dropped. A 3D image
     with one slice (size ``x, y, 1``) stays 3D unless ``ndim=2``, which drops that axis and its world coordinate (the
@@ -117,15 +115,17 @@ def read_image(path: str | os.PathLike, *, ndim: int | None = None, check_finite
         check_finite: raise :class:`ImageValueError` if a floating-point image holds NaN or Inf voxels.
 
     Raises:
-        ImageReadError: missing file, unknown extension, corrupt or truncated file, folder without DICOM series.
+        ImageReadError: missing file, unknown extension, corrupt, truncated or overlong file, folder without DICOM
+            series, a name that is not UTF-8, a named pipe, device or socket, a declared size beyond the memory
+            available or beyond what the file can hold, an invalid NIfTI ``vox_offset``.
         ImageDimensionError: more (or fewer) dimensions than wanted, or a vector (multi-component) image.
-        GeometryError: non-positive spacing, singular or non-orthonormal direction matrix.
+        GeometryError: non-finite or non-positive spacing, singular or non-orthonormal direction matrix.
         ImageValueError: NaN/Inf voxels (with ``check_finite``), or uint64 values beyond the int64 range.
     """
     if ndim not in (None, 2, 3):
         raise ValueError(f"ndim must be None, 2 or 3, got {ndim}")
     path = Path(path)
-    if path.is_dir():
+    if input_kind(path, ImageReadError) == "folder":
         itk_image = _read_dicom_series(path)
         grid = grid_from_header(
             path,
@@ -139,9 +139,7 @@ def read_image(path: str | os.PathLike, *, ndim: int | None = None, check_finite
         array = sitk.GetArrayFromImage(itk_image)
     else:
         fmt = format_of(path, ImageReadError)
-        if not path.exists():
-            raise ImageReadError(f"{path}: no such file")
-        _check_data_files(path, fmt)
+        stored_bytes = os.stat(path).st_size + check_text_header(path, fmt)
         reader = sitk.ImageFileReader()
         reader.SetFileName(str(path))
         try:
@@ -150,6 +148,7 @@ def read_image(path: str | os.PathLike, *, ndim: int | None = None, check_finite
             if fmt == "NIfTI" and "orthonormal" in str(err):
                 raise GeometryError(NO_NIFTI_ORIENTATION.format(path=path)) from err
             raise ImageReadError(f"cannot read {path}: not a valid {fmt} file (corrupt or truncated header)") from err
+        check_declared_size(path, reader.GetSize(), _voxel_bytes(reader), stored_bytes)
         components = reader.GetNumberOfComponents()
         gray = _gray_png(reader, path) if fmt == "PNG" and components > 1 else None
         # The geometry is checked from the header before the voxels are read: ITK refuses some of it (zero spacing,
@@ -198,10 +197,8 @@ def read_image_nibabel(path: str | os.PathLike) -> Image:
     NaN/Inf voxels are kept (no check).
     """
     path = Path(path)
-    if format_of(path, ImageReadError) != "NIfTI":
+    if input_kind(path, ImageReadError) == "folder" or format_of(path, ImageReadError) != "NIfTI":
         raise ImageReadError(f"{path}: read_image_nibabel reads NIfTI files (.nii, .nii.gz) only")
-    if not path.is_file():
-        raise ImageReadError(f"{path}: no such file")
     header, array = _read_nifti(path)
     n = array.ndim
     spatial = min(n, 3)
@@ -217,46 +214,101 @@ def read_image_nibabel(path: str | os.PathLike) -> Image:
 
 
 def _read_nifti(path: Path) -> tuple[Nifti1Header, np.ndarray]:
-    """Header (as nibabel checks it) and voxels of a NIfTI-1/2 file, voxels in ``[..., k, j, i]`` layout.
+    """Header (as nibabel checks it) and voxels of a single-file NIfTI-1/2, voxels in ``[..., k, j, i]`` layout.
 
-    The whole file is read into memory first (a ``.gz`` file's whole stream, so that truncation and CRC errors
-    surface), then parsed by nibabel. Voxels keep the file's byte order and are scaled as ITK scales them: when
-    ``scl_slope``/``scl_inter`` apply, ``raw * slope + inter`` as float32 (float64 for float64 files).
+    The header is checked first (:func:`_nifti_data_end`); then exactly the bytes it declares are read (a ``.gz``
+    file's stream no further, so that a small file cannot expand beyond them) and parsed by nibabel, and a file with
+    fewer or more bytes is refused (at the end of a whole ``.gz`` stream, its CRC is checked). Voxels keep the file's
+    byte order and are scaled as ITK scales them: when ``scl_slope``/``scl_inter`` apply, ``raw * slope + inter`` as
+    float32 (float64 for float64 files).
 
-    Raises ImageReadError for truncated/corrupt files and GeometryError for non-positive ``pixdim``, which ITK and
-    nibabel would silently replace by 1 or by its absolute value (SPM once read a negative ``pixdim`` as a flip).
+    Raises ImageReadError for invalid headers (see :func:`_nifti_data_end`), truncated, corrupt or overlong files.
     """
     import nibabel as nib
 
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rb") as stream:
-            raw = stream.read()
-    except (EOFError, OSError, zlib.error) as err:
-        raise ImageReadError(f"cannot read {path}: the file is truncated or corrupt ({_one_line(err)})") from err
-    sizeof_hdr = {int.from_bytes(raw[:4], "little"), int.from_bytes(raw[:4], "big")}
-    kind = nib.Nifti1Image if 348 in sizeof_hdr else nib.Nifti2Image if 540 in sizeof_hdr else None
-    if kind is None:
-        raise ImageReadError(f"cannot read {path}: not a NIfTI-1 or NIfTI-2 file")
-    try:
-        unchecked = kind.header_class.from_fileobj(io.BytesIO(raw), check=False)
-        shape = unchecked.get_data_shape()
-        pixdim = tuple(float(p) for p in unchecked["pixdim"][1 : min(len(shape), 3) + 1])
-        if not all(p > 0 for p in pixdim):
-            raise GeometryError(
-                f"{path}: pixdim (spacing) {pixdim} must be positive; fix the header, e.g. with nibabel's "
-                f"header.set_zooms()"
+            kind, end = _nifti_data_end(path, stream)
+            stream.seek(0)
+            raw = stream.read(end)
+            overlong = len(raw) == end and stream.read(1) != b""
+        if overlong:
+            raise ImageReadError(
+                f"cannot read {path}: it holds more data than its header declares ({end} bytes); the header's "
+                "dimensions or voxel type are wrong, or the file is corrupt"
             )
+        if len(raw) < end:
+            raise EOFError(f"{len(raw)} of the {end} bytes its header declares")
         img = kind.from_bytes(raw)
         proxy = cast("ArrayProxy", img.dataobj)
         voxels = np.asarray(proxy.get_unscaled())
-    except (OSError, ValueError, EOFError, nib.filebasedimages.ImageFileError) as err:
+    except (
+        EOFError,
+        OSError,
+        ValueError,
+        zlib.error,
+        nib.filebasedimages.ImageFileError,
+        nib.spatialimages.HeaderDataError,
+    ) as err:
         raise ImageReadError(f"cannot read {path}: the file is truncated or corrupt ({_one_line(err)})") from err
     slope, inter = float(proxy.slope), float(proxy.inter)
     if slope != 1.0 or inter != 0.0:
         float_type = np.float64 if voxels.dtype == np.float64 else np.float32
         voxels = (voxels.astype(np.float64) * slope + inter).astype(float_type)
     return img.header, np.ascontiguousarray(voxels.T)
+
+
+def _nifti_data_end(path: Path, stream: io.BufferedIOBase) -> tuple[type[Nifti1Image], int]:
+    """nibabel's image class (NIfTI-1 or 2) and the byte where the voxels end, from the header at the start of
+    ``stream``, checked before any voxel is read; one rule for both readers, which ITK and nibabel would each bend
+    their own way.
+
+    Raises ImageReadError unless the header is a single-file NIfTI's (magic ``n+1``/``n+2``) with positive
+    dimensions, a known voxel type, voxels starting after the header (``vox_offset`` >= 352 for NIfTI-1, 544 for
+    NIfTI-2; nibabel would read a smaller offset's voxels from the header's own bytes) and a size that fits into
+    memory (:func:`~regkit.io.preflight.check_declared_size`); GeometryError for a non-finite or non-positive
+    ``pixdim``, which ITK and nibabel would silently replace by 1 or by its absolute value (SPM once read a negative
+    ``pixdim`` as a flip).
+    """
+    import nibabel as nib
+
+    first = stream.read(4)
+    sizeof_hdr = {int.from_bytes(first, "little"), int.from_bytes(first, "big")} & set(_NIFTI_FIRST_VOXEL)
+    if not sizeof_hdr:
+        raise ImageReadError(f"cannot read {path}: not a NIfTI-1 or NIfTI-2 file")
+    size = sizeof_hdr.pop()
+    kind = nib.Nifti1Image if size == 348 else nib.Nifti2Image
+    head = first + stream.read(size - 4)
+    if len(head) < size:
+        raise EOFError(f"{len(head)} of the {size} header bytes")
+    header = kind.header_class.from_fileobj(io.BytesIO(head), check=False)
+    magic = header["magic"].item()
+    if magic != header.single_magic:
+        raise ImageReadError(f"cannot read {path}: magic {magic!r} is not that of a single-file NIfTI (n+1, n+2)")
+    shape = header.get_data_shape()
+    if not shape or min(shape) < 1:
+        raise ImageReadError(f"cannot read {path}: its header's dimensions {shape} must be positive")
+    pixdim = tuple(float(p) for p in header["pixdim"][1 : min(len(shape), 3) + 1])
+    if not all(math.isfinite(p) and p > 0 for p in pixdim):
+        raise GeometryError(
+            f"{path}: pixdim (spacing) {pixdim} must be finite and positive; fix the header, e.g. with nibabel's "
+            "header.set_zooms()"
+        )
+    offset, first_voxel = float(header["vox_offset"]), _NIFTI_FIRST_VOXEL[size]
+    if not (math.isfinite(offset) and offset >= first_voxel):
+        raise ImageReadError(
+            f"cannot read {path}: vox_offset {offset:g} is invalid; a single-file NIfTI-{1 if size == 348 else 2}'s "
+            f"voxels start at byte {first_voxel} or later"
+        )
+    try:
+        voxel_bytes = header.get_data_dtype().itemsize
+    except (KeyError, nib.spatialimages.HeaderDataError):
+        raise ImageReadError(
+            f"cannot read {path}: its header's datatype {int(header['datatype'])} is not a NIfTI voxel type"
+        ) from None
+    check_declared_size(path, shape, voxel_bytes, offset=int(offset))
+    return kind, int(offset) + math.prod(shape) * voxel_bytes
 
 
 def _gray_png(reader: sitk.ImageFileReader, path: Path) -> np.ndarray | None:
@@ -278,37 +330,6 @@ def _gray_png(reader: sitk.ImageFileReader, path: Path) -> np.ndarray | None:
 def _one_line(err: BaseException) -> str:
     """An exception's message on one line."""
     return " ".join(str(err).split()) or type(err).__name__
-
-
-def _check_data_files(path: Path, fmt: str) -> None:
-    """Raise :class:`ImageReadError` if the MetaImage or NRRD header ``path`` names a voxel file that is missing or,
-    unless :data:`DATA_FILES_ANYWHERE` is set, outside the header's folder (symlinks resolved)."""
-    line = _DATA_FILE_LINE.get(fmt)
-    if line is None:
-        return
-    with open(path, "rb") as f:
-        head = f.read(_HEADER_BYTES)
-    if fmt == "NRRD":
-        head = re.split(rb"\r?\n\r?\n", head, maxsplit=1)[0]  # the header ends at the first empty line
-    found = line.search(head)
-    if found is None or found.group(1).upper() == b"LOCAL":
-        return
-    value = found.group(1).decode("utf-8", "replace")
-    if value.upper().startswith("LIST"):
-        names = head[found.end() :].decode("utf-8", "replace").split()
-    else:
-        names = [value.split()[0]]
-    folder = path.parent.resolve()
-    anywhere = os.environ.get(DATA_FILES_ANYWHERE) == "1"
-    for name in names:
-        target = (path.parent / name).resolve()
-        if not anywhere and not target.is_relative_to(folder):
-            raise ImageReadError(
-                f"{path}: its header names the voxel file {name}, outside the header's folder; refused (set "
-                f"{DATA_FILES_ANYWHERE}=1 to allow)"
-            )
-        if "%" not in name and not target.is_file():
-            raise ImageReadError(f"{path}: its voxel file {target} does not exist")
 
 
 def format_of(path: Path, error: type[RegkitError]) -> str:
@@ -336,7 +357,11 @@ def _itk_warnings_off() -> Iterator[None]:
 
 
 def _read_dicom_series(folder: Path) -> sitk.Image:
-    """Read the first DICOM series found in ``folder`` (not its sub-folders); warns if there are several."""
+    """Read the first DICOM series found in ``folder`` (not its sub-folders); warns if there are several.
+
+    Before the series is read, the names of its files must pass :func:`~regkit.io.preflight.native_name`, and its
+    size (its first file's slice size times the number of files) must fit into memory.
+    """
     with _itk_warnings_off():
         series = sitk.ImageSeriesReader.GetGDCMSeriesIDs(str(folder))
     if not series:
@@ -347,12 +372,26 @@ def _read_dicom_series(folder: Path) -> sitk.Image:
             f"{folder} holds {len(series)} DICOM series; reading the first ({series[0]}, {len(files)} files)",
             stacklevel=3,
         )
+    for name in files:
+        native_name(Path(name), ImageReadError)
+    first = sitk.ImageFileReader()
+    first.SetFileName(files[0])
     reader = sitk.ImageSeriesReader()
     reader.SetFileNames(files)
     try:
+        first.ReadImageInformation()
+        check_declared_size(folder, (*first.GetSize()[:2], len(files)), _voxel_bytes(first))
         return reader.Execute()
     except RuntimeError as err:
         raise ImageReadError(f"cannot read the DICOM series {series[0]} in {folder}: corrupt or incomplete") from err
+
+
+def _voxel_bytes(reader: sitk.ImageFileReader) -> int:
+    """Bytes per voxel (all components) of the image whose information ``reader`` has read, from SimpleITK's name of
+    its pixel type (e.g. "vector of 8-bit unsigned integer"; complex types count as 2 components); 8 bytes per
+    component for a type SimpleITK does not know (which it will not read either)."""
+    bits = re.search(r"(\d+)-bit", sitk.GetPixelIDValueAsString(reader.GetPixelID()))
+    return (int(bits.group(1)) // 8 if bits else 8) * reader.GetNumberOfComponents()
 
 
 def _to_tensor(array: np.ndarray, path: Path) -> torch.Tensor:
@@ -397,6 +436,7 @@ def write_image(image: Image, path: str | os.PathLike) -> Path:
             failure inside SimpleITK.
     """
     path = Path(path)
+    native_name(path, ImageWriteError)
     fmt = format_of(path, ImageWriteError)
     itk_image = _to_itk(image, path, fmt)
     folder = path.parent

@@ -25,6 +25,7 @@ import torch
 from regkit import _atomic
 from regkit.errors import ImageDimensionError, ImageWriteError, RegkitError
 from regkit.io.image import Image
+from regkit.io.preflight import input_kind, native_name
 from regkit.spatial.affine import grid_centre, to_sitk_affine
 from regkit.spatial.grid import Grid
 
@@ -61,6 +62,7 @@ def write_displacement(field: torch.Tensor, grid: Grid, path: str | os.PathLike)
     path = Path(path)
     if tuple(field.shape) != (*grid.shape, grid.ndim):
         raise ValueError(f"displacement of shape {tuple(field.shape)} does not fit grid shape {grid.shape}")
+    native_name(path, ImageWriteError)
     if not path.parent.is_dir():
         raise ImageWriteError(f"cannot write {path}: folder {path.parent} does not exist")
     try:
@@ -77,20 +79,23 @@ def write_transform_h5(transform: Transformation, cpab_field: torch.Tensor, path
     added acts first)."""
     import SimpleITK as sitk
 
+    name = native_name(path, ImageWriteError)
     grid = transform.fixed_grid
     field_transform = sitk.DisplacementFieldTransform(_sitk_image(cpab_field.double().numpy(), grid, vector=True))
     affine = to_sitk_affine(transform.matrix, grid_centre(grid))
-    sitk.WriteTransform(sitk.CompositeTransform([affine, field_transform]), str(path))
+    sitk.WriteTransform(sitk.CompositeTransform([affine, field_transform]), name)
 
 
 def apply_itk_transform(path: str | os.PathLike, image: Image, reference: Grid, mode: str = "linear") -> Image:
     """Resample ``image`` onto ``reference`` with an ITK transform file (e.g. ``transform.h5``) through
-    ``SimpleITK.Resample``: ``out(x) = image(T(x))``, 0 outside; linear gives float32, nearest keeps the voxel type."""
+    ``SimpleITK.Resample``: ``out(x) = image(T(x))``, 0 outside; linear gives float32, nearest keeps the voxel type.
+    A path that is not a regular file SimpleITK can open (:func:`~regkit.io.preflight.input_kind`) or not a
+    transform file raises :class:`RegkitError`."""
     import SimpleITK as sitk
 
     path = Path(path)
-    if not path.is_file():
-        raise RegkitError(f"{path}: no such file")
+    if input_kind(path, RegkitError) == "folder":
+        raise RegkitError(f"{path} is a folder, not an ITK transform file")
     try:
         itk_transform = sitk.ReadTransform(str(path))
     except RuntimeError as err:

@@ -3,8 +3,12 @@ on files written here in every supported format."""
 
 from __future__ import annotations
 
+import gzip
+import io
 import itertools
 import os
+import socket
+import threading
 from pathlib import Path
 
 import nibabel as nib
@@ -378,6 +382,11 @@ def test_single_slice_volumes_and_ndim(tmp_path: Path) -> None:
         ("skewed.mha", lambda p: _write_mha(p, matrix="1 0 0 0.5 1 0 0 0 1"), "orthonormal"),
         ("zero_pixdim.nii", lambda p: _write_nifti(p, np.zeros((3, 4, 5), np.int16), zooms=(0.0, 1.0, 1.0)), "pixdim"),
         ("negative_pixdim.nii.gz", lambda p: _write_nifti(p, np.zeros((3, 4, 5), np.int16), zooms=(1, -2, 1)), "pix"),
+        # ITK reads these as 0 (spacing 0, or a silently wrong origin or direction): refused as not finite
+        ("nan_spacing.mha", lambda p: _write_mha(p, spacing="1 nan 1"), "ElementSpacing holds 'nan', not a finite"),
+        ("inf_matrix.mha", lambda p: _write_mha(p, matrix="1 0 0 0 1 0 0 0 inf"), "TransformMatrix holds 'inf'"),
+        ("word_spacing.mha", lambda p: _write_mha(p, spacing="1 1 one"), "holds 'one', not a finite number"),
+        ("nan_pixdim.nii", lambda p: _write_nifti(p, np.zeros((3, 4, 5), np.int16), zooms=(np.nan, 1, 1)), "finite"),
     ],
 )
 def test_invalid_geometry(tmp_path: Path, name: str, make, match: str) -> None:
@@ -485,3 +494,137 @@ def test_detached_headers_read_voxels_only_from_their_own_folder(tmp_path, monke
     (here / header).write_text(text.replace(raw.name, "missing.raw"))
     with pytest.raises(ImageReadError, match=r"missing\.raw does not exist"):
         read_image(here / header)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Hostile inputs: refused before a native reader opens them (tests/regkit/io/test_fuzz_readers.py mutates files)
+
+
+def _nifti_bytes(data: np.ndarray, **fields) -> bytes:
+    """A single-file NIfTI-1 of ``data`` whose header ``fields`` (name: value) are then set in the bytes as stored."""
+    img = nib.Nifti1Image(data, np.eye(4))
+    raw = bytearray(img.to_bytes())
+    header = nib.Nifti1Header.from_fileobj(io.BytesIO(raw), check=False)
+    for key, value in fields.items():
+        header[key] = value
+    raw[:348] = header.binaryblock
+    return bytes(raw)
+
+
+def test_file_names_simpleitk_cannot_take_are_refused(tmp_path: Path) -> None:
+    """A name that is not valid UTF-8 (lone surrogates in Python) aborted the process inside SimpleITK."""
+    image = _random_image(3, torch.int16, oblique=False)
+    valid = write_image(image, tmp_path / "valid.nii.gz")
+    bad = tmp_path / os.fsdecode(b"\xff.nii.gz")
+    bad.write_bytes(valid.read_bytes())
+    for reader in (read_image, read_image_nibabel):
+        with pytest.raises(ImageReadError, match=r"'.*\\udcff\.nii\.gz': the file name is not valid UTF-8") as err:
+            reader(bad)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ImageWriteError, match="not valid UTF-8"):
+        write_image(image, tmp_path / os.fsdecode(b"out\xfe.mha"))
+    with pytest.raises(ImageReadError, match="NUL byte"):
+        read_image(tmp_path / "a\0.nii")
+    # A DICOM folder is refused only for the names of the series' files.
+    series = tmp_path / "series"
+    write_dicom_series(series, sitk.GetImageFromArray(np.zeros((3, 4, 5), np.int16)), "1.2.3.4.100")
+    first = sorted(series.iterdir())[0]
+    first.rename(series / os.fsdecode(b"\xfe.dcm"))
+    with pytest.raises(ImageReadError, match="not valid UTF-8") as err:
+        read_image(series)
+    assert "\n" not in str(err.value)
+
+
+def _error_within(read, path: Path, seconds: float = 10.0) -> BaseException:
+    """The exception ``read(path)`` raises, which must come within ``seconds`` (a reader that opened a named pipe
+    would block forever: its thread is then left behind and the test fails)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            read(path)
+        except BaseException as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert errors, f"{read.__name__}({path}) neither raised nor returned within {seconds} s"
+    return errors[0]
+
+
+def test_pipes_devices_and_sockets_are_refused_unopened(tmp_path: Path) -> None:
+    """A named pipe blocked the reader forever (ignoring Ctrl-C); devices and sockets are not files either."""
+    fifo = tmp_path / "pipe.nii.gz"
+    os.mkfifo(fifo)
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "sock.mha"))
+    cases = {fifo: "a named pipe", Path("/dev/null"): "a character device", tmp_path / "sock.mha": "a socket"}
+    for path, kind in cases.items():
+        for reader in (read_image, read_image_nibabel):
+            err = _error_within(reader, path)
+            assert isinstance(err, ImageReadError) and f"is {kind}" in str(err), err
+            assert "\n" not in str(err) and str(path) in str(err)
+    sock.close()
+    # The voxel file a detached header names must be a regular file too.
+    header = tmp_path / "scan.mhd"
+    write_image(_random_image(3, torch.int16, oblique=False), header)
+    header.write_text(header.read_text().replace("scan.zraw", "pipe.nii.gz"))
+    err = _error_within(read_image, header)
+    assert isinstance(err, ImageReadError) and "pipe.nii.gz is not a regular file" in str(err), err
+
+
+def test_declared_size_is_checked_before_voxels_are_read(tmp_path: Path) -> None:
+    """A header claiming 10^12 voxels gave "MemoryError" naming no file; a compressed MetaImage declaring far more
+    than its bytes can hold made ITK work for minutes."""
+    huge = tmp_path / "huge.nii"
+    huge.write_bytes(_nifti_bytes(np.zeros((4, 3, 2), np.int16), dim=[3, 10000, 10000, 10000, 1, 1, 1, 1]))
+    for reader in (read_image, read_image_nibabel):
+        with pytest.raises(
+            ImageReadError,
+            match=r"declares 10000 x 10000 x 10000 voxels of 2 bytes( from byte 352)? \(2000 GB\), more "
+            r"than the [\d.]+ GB of memory available",
+        ) as err:
+            reader(huge)
+        assert_one_line_naming(err, huge)
+    mha = tmp_path / "huge.mha"
+    write_image(Image(torch.zeros(4, 8, 8), Grid.create((8, 8, 4))), mha)  # zlib-compressed voxels
+    mha.write_bytes(mha.read_bytes().replace(b"DimSize = 8 8 4", b"DimSize = 4096 4096 4"))
+    with pytest.raises(ImageReadError, match=r"bytes \(0.2684 GB\), more than its \d+ bytes on disk can hold") as err:
+        read_image(mha)
+    assert_one_line_naming(err, mha)
+
+
+def test_nifti_is_read_no_further_than_its_header_declares(tmp_path: Path) -> None:
+    """A 1 MB .nii.gz that expands to 1 GB took 3.1 GB of memory: now the stream is read as far as the header's
+    voxels, and a file holding more is refused (as is one holding less)."""
+    raw_data = np.arange(24, dtype=np.int16).reshape(4, 3, 2)
+    raw = _nifti_bytes(raw_data)
+    bomb = tmp_path / "bomb.nii.gz"
+    bomb.write_bytes(gzip.compress(raw + bytes(64 << 20), compresslevel=1))
+    assert bomb.stat().st_size < 1 << 20
+    for reader in (read_image, read_image_nibabel):
+        with pytest.raises(ImageReadError, match=r"more data than its header declares \(400 bytes\)") as err:
+            reader(bomb)
+        assert_one_line_naming(err, bomb)
+    (tmp_path / "exact.nii.gz").write_bytes(gzip.compress(raw))
+    np.testing.assert_array_equal(read_image(tmp_path / "exact.nii.gz").data.numpy(), raw_data.T)
+
+
+def test_one_rule_for_nifti_voxel_offsets_in_both_readers(tmp_path: Path) -> None:
+    """vox_offset = 0 in a single file made nibabel read the header's bytes as voxels (ITK read from byte 352)."""
+    data = np.arange(24, dtype=np.int16).reshape(4, 3, 2)
+    for offset, name in ((0.0, "zero.nii"), (351.0, "inside_header.nii"), (np.nan, "nan.nii")):
+        path = tmp_path / name
+        path.write_bytes(_nifti_bytes(data, vox_offset=offset))
+        for reader in (read_image, read_image_nibabel):
+            with pytest.raises(ImageReadError, match=rf"vox_offset {offset:g} is invalid; .* at byte 352") as err:
+                reader(path)
+            assert_one_line_naming(err, path)
+    # A larger offset (the space of header extensions) is read from that offset by both.
+    padded = nib.Nifti1Image(data, np.eye(4))
+    padded.header.set_data_offset(416)
+    nib.save(padded, tmp_path / "padded.nii")
+    assert (tmp_path / "padded.nii").stat().st_size == 416 + data.nbytes
+    for reader in (read_image, read_image_nibabel):
+        np.testing.assert_array_equal(reader(tmp_path / "padded.nii").data.numpy(), data.T)

@@ -7,12 +7,18 @@ The tests read the registrations of the ``registration_case`` fixture (tests/reg
 
 from __future__ import annotations
 
+import os
+
 import nibabel as nib
 import numpy as np
+import pytest
 import SimpleITK as sitk
+import torch
 from scipy import ndimage
 
-from regkit.io import learn2reg_displacement, read_image, write_image
+from regkit.errors import RegkitError
+from regkit.io import Image, apply_itk_transform, learn2reg_displacement, read_image, write_image
+from regkit.spatial import Grid
 from tests.helpers import inside_moving, sitk_read
 
 
@@ -68,3 +74,20 @@ def test_learn2reg_displacement_warps_like_scipy_map_coordinates(registration_ca
     ours = read_image(out / "warped.nii.gz").data.permute(*reversed(range(n))).numpy()
     inside = np.transpose(inside_moving(result), tuple(reversed(range(n))))
     np.testing.assert_allclose(theirs[inside], ours[inside], atol=1e-4)
+
+
+def test_transform_files_are_refused_unless_regular_files_simpleitk_can_open(tmp_path):
+    """apply_itk_transform checks the path before ITK opens it: a named pipe would block it, a name that is not
+    UTF-8 would abort the process inside SimpleITK."""
+    image = Image(torch.zeros(2, 3), Grid.create((3, 2)))
+    os.mkfifo(tmp_path / "transform.h5")
+    cases = {
+        tmp_path / "transform.h5": "named pipe",
+        tmp_path: "is a folder",
+        tmp_path / os.fsdecode(b"\xff.h5"): "not valid UTF-8",
+        tmp_path / "missing.h5": "no such file",
+    }
+    for path, match in cases.items():
+        with pytest.raises(RegkitError, match=match) as err:
+            apply_itk_transform(path, image, image.grid)
+        assert "\n" not in str(err.value)
