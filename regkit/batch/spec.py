@@ -246,19 +246,15 @@ def _check_input(path: Path, where: str) -> int:
     or an image whose header reads."""
     import SimpleITK as sitk
 
-    from regkit.errors import ImageReadError
+    from regkit.errors import GeometryError, ImageReadError
     from regkit.io import format_of
+    from regkit.io.preflight import check_text_header, input_kind
 
-    try:
-        if path.is_dir():
+    try:  # what read_image checks before a native reader opens the file (name, kind of file, voxel files)
+        if input_kind(path, ImageReadError) == "folder":
             return 3
-        if not path.is_file():
-            raise ConfigError(f"{where}: no such file: {path}")
-    except OSError as err:  # e.g. a name too long for the file system
-        raise ConfigError(f"{where}: cannot read {path} ({err.strerror})") from None
-    try:
-        format_of(path, ImageReadError)
-    except ImageReadError as err:
+        check_text_header(path, format_of(path, ImageReadError))
+    except (ImageReadError, GeometryError) as err:
         raise ConfigError(f"{where}: {err}") from None
     reader = sitk.ImageFileReader()
     reader.SetFileName(str(path))

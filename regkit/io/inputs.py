@@ -56,8 +56,8 @@ def read_registration_inputs(
     moving_mask: str | os.PathLike | None = None,
 ) -> RegistrationInputs:
     """Read the images of one registration (the CLI's ``register`` and every batch job): all must have the fixed
-    image's dimension (:class:`ImageDimensionError` naming the files), and label maps must hold integer labels
-    (:func:`as_label_map`)."""
+    image's dimension and masks their image's size (:class:`ImageDimensionError` naming the files), and label maps
+    must hold integer labels (:func:`as_label_map`)."""
     fixed_image, moving_image = read_image(fixed), read_image(moving)
     if fixed_image.ndim != moving_image.ndim:
         raise ImageDimensionError(f"{fixed} is {fixed_image.ndim}D but {moving} is {moving_image.ndim}D")
@@ -71,5 +71,13 @@ def read_registration_inputs(
         image = None if path is None else read_image(path)
         if image is not None and image.ndim != fixed_image.ndim:
             raise ImageDimensionError(f"{path} is {image.ndim}D but the images are {fixed_image.ndim}D")
+        if image is not None and key.endswith("_mask"):
+            owner, owner_path = (fixed_image, fixed) if key == "fixed_mask" else (moving_image, moving)
+            if image.grid.size != owner.grid.size:
+                sizes = [" x ".join(map(str, grid.size)) for grid in (image.grid, owner.grid)]
+                raise ImageDimensionError(
+                    f"{path}: the mask has {sizes[0]} voxels but {owner_path} has {sizes[1]}; a mask is on its "
+                    "image's grid"
+                )
         optional[key] = as_label_map(image, str(path)) if image is not None and key.endswith("_labels") else image
     return RegistrationInputs(fixed_image, moving_image, **optional)

@@ -5,7 +5,8 @@ Conventions: world points in LPS millimetres, image tensors ``[z, y, x]``, and t
 
 Where each part lives:
 
-* :mod:`regkit.registration.engine`: :func:`register` (the loop over the stages), :func:`resolve_device`;
+* :mod:`regkit.registration.engine`: :func:`register` (the loop over the stages), :func:`check_image_size`,
+  :func:`resolve_device`;
 * :mod:`regkit.registration.stages`: the rigid/affine and CPAB stages (:func:`run_linear`, :func:`run_cpab`), the CPAB
   stage's whitened parameters (:class:`Unwhiten`, :func:`coherence`);
 * :mod:`regkit.registration.levels`: a stage's pyramid levels (:class:`Level`), what one run shares
@@ -18,7 +19,7 @@ Where each part lives:
   records of ``metrics.json``'s ``runtime.stages``).
 """
 
-from regkit.registration.engine import register, resolve_device
+from regkit.registration.engine import check_image_size, register, resolve_device
 from regkit.registration.progress import Cancelled, Progress
 from regkit.registration.result import LevelReport, RegistrationResult, StageReport
 
@@ -28,6 +29,7 @@ __all__ = [
     "Progress",
     "RegistrationResult",
     "StageReport",
+    "check_image_size",
     "register",
     "resolve_device",
 ]

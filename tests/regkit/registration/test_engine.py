@@ -182,7 +182,9 @@ def test_2d_and_3d_images_are_refused(brain2d: Image, brain3d: Image) -> None:
 def test_images_with_too_few_voxels_along_an_axis_are_refused(brain2d: Image) -> None:
     thin = Image(torch.rand(3, 50), Grid.create((50, 3)))
     config = cpu_config(linear_stage("rigid", [2]), dim=2)
-    with pytest.raises(ImageDimensionError, match="the moving image has 50 x 3 voxels; registration needs at least 4"):
+    with pytest.raises(
+        ImageDimensionError, match=r"^the moving image has 50 x 3 voxels; registration needs at least 4"
+    ):
         register(brain2d, thin, config)
     with pytest.raises(ImageDimensionError, match="the fixed image has 50 x 3 voxels"):
         register(thin, brain2d, config)
