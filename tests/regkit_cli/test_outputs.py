@@ -137,3 +137,23 @@ def test_register_finds_an_unwritable_folder_before_registering(files, tmp_path,
     argv = ["register", files["fixed"], files["moving"], "-o", locked / "a" / "out", "-c", files["config"]]
     assert run_cli(argv) == 1
     assert_one_error_line(capsys, f"no permission to write in {locked}")
+
+
+@pytest.mark.parametrize("writer", ["write_png", "write_image"])
+def test_a_full_disk_while_writing_the_outputs_is_one_line_and_leaves_nothing(
+    writer, files, tmp_path, capsys, monkeypatch
+):
+    """The disk fills while the result folder is written (qc.png, or an image written by a thread): one line naming
+    the error, exit 1, and neither the folder nor its staging folder is left."""
+    import errno
+
+    import regkit.results.folder
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(args[-1]))
+
+    monkeypatch.setattr(regkit.results.folder, writer, full)
+    out = tmp_path / "out"
+    assert run_cli(["register", files["fixed"], files["moving"], "-o", out, "-c", files["config"], "-q"]) == 1
+    assert_one_error_line(capsys, "No space left on device")
+    assert os.listdir(tmp_path) == []
