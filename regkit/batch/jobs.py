@@ -8,7 +8,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from regkit.batch.manifest import Manifest
 from regkit.batch.plan import Job
@@ -37,8 +37,9 @@ def one_line(err: BaseException) -> str:
     return text if isinstance(err, RegkitError) else f"{type(err).__name__}: {text}"
 
 
-def _register_job(job: Job) -> str:
-    """Read the job's inputs, register and write its output folder; returns the device used."""
+def _register_job(job: Job, record: dict[str, Any]) -> str:
+    """Read the job's inputs, register and write its output folder, with ``record`` and the device in the folder's
+    job record; returns the device used."""
     from regkit.io import read_registration_inputs
     from regkit.registration import register
     from regkit.results import write_outputs
@@ -61,6 +62,7 @@ def _register_job(job: Job) -> str:
         fixed_labels=inputs.fixed_labels,
         overwrite=True,  # a rerun replaces the job's earlier output folder, never one holding other files or inputs
         inputs=job.inputs.values(),
+        job={**record, "device": device_label(result.device)},
     )
     return result.device
 
@@ -69,10 +71,18 @@ def execute_job(job: Job) -> JobOutcome:
     """Register one job and write its output folder, in this process; its outcome: ``done``, or ``failed`` with the
     one-line error (any exception but KeyboardInterrupt, out-of-memory included), with the runtime, the device
     (:func:`device_label`) and this process (host:pid). Writes no manifest: the process running the batch records
-    the outcome (:meth:`Manifest.finish`). The one job runner of every executor."""
+    the outcome (:meth:`Manifest.finish`). The one job runner of every executor.
+
+    The output folder's job record (:meth:`Job.recorded`) gets the job's stamp, its run (``job.run_id``), this
+    process, the start time and the device. A job whose folder already carries its stamp and its run, a task that dask
+    runs again after its worker died once the folder was in place, is not registered again: its recorded outcome."""
     worker, started, start = f"{socket.gethostname()}:{os.getpid()}", time.time(), time.perf_counter()
+    if job.run_id is not None:
+        record = job.recorded()
+        if record is not None and record.get("run") == job.run_id:
+            return _recorded(job, record)
     try:
-        device = _register_job(job)
+        device = _register_job(job, {**job.stamp(), "run": job.run_id, "started": started, "worker": worker})
     except Exception as err:
         return JobOutcome(
             name=job.name,
@@ -88,6 +98,31 @@ def execute_job(job: Job) -> JobOutcome:
         seconds=time.perf_counter() - start,
         device=device_label(device),
         worker=worker,
+        started=started,
+    )
+
+
+def recorded_outcome(job: Job) -> JobOutcome | None:
+    """The outcome of ``job`` as its output folder records it, if that folder carries the job's current stamp
+    (:meth:`Job.recorded`): ``done``, with the process, start time and device of the run that wrote it and the
+    runtime up to the writing of the record; None otherwise."""
+    record = job.recorded()
+    return None if record is None else _recorded(job, record)
+
+
+def _recorded(job: Job, record: dict[str, Any]) -> JobOutcome:
+    """The ``done`` outcome that the job record ``record`` of ``job``'s output folder describes."""
+    from regkit.results import OUTPUT_FILES
+
+    written = (job.out_dir / OUTPUT_FILES["record"]).stat().st_mtime
+    started, device, worker = record.get("started"), record.get("device"), record.get("worker")
+    started = float(started) if isinstance(started, (int, float)) else None
+    return JobOutcome(
+        name=job.name,
+        state="done",
+        seconds=0.0 if started is None else max(0.0, written - started),
+        device=device if isinstance(device, str) else None,
+        worker=worker if isinstance(worker, str) else None,
         started=started,
     )
 

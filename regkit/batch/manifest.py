@@ -11,7 +11,7 @@ import sqlite3
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -182,6 +182,29 @@ class Manifest:
                 ),
             )
 
+    def record_done(self, found: list[tuple[Job, JobOutcome]]) -> None:
+        """Record, in one transaction, jobs found done by their output folders' records (:meth:`Job.recorded`: a run
+        was killed after the rename of the folder, before its outcome reached the manifest), with their current
+        fingerprints and configuration hashes and the outcomes that the records describe."""
+        with self._connect() as con:
+            con.executemany(
+                "INSERT OR REPLACE INTO jobs (name, state, inputs, config_hash, started, finished, seconds, device, "
+                "worker) VALUES (?, 'done', ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (
+                        job.name,
+                        job.fingerprint(),
+                        job.config_hash,
+                        outcome.started,
+                        None if outcome.started is None else outcome.started + outcome.seconds,
+                        outcome.seconds,
+                        outcome.device,
+                        outcome.worker,
+                    )
+                    for job, outcome in found
+                ],
+            )
+
     def mark_pending(self, jobs: list[Job]) -> None:
         """Insert a pending row for each job the manifest does not hold yet."""
         with self._connect() as con:
@@ -195,8 +218,64 @@ class BatchLockedError(RegkitError):
     """Another batch run holds the output root's lock."""
 
 
+def _holder(lock_path: Path) -> str:
+    """Who holds the lock ``lock_path``, as its ``.batch.holder`` beside it says."""
+    try:
+        return (lock_path.parent / _HOLDER).read_text(encoding="utf-8").strip() or "another process"
+    except (FileNotFoundError, NotADirectoryError):
+        return "another process"
+
+
+def _locked(lock_path: Path, why: str) -> BatchLockedError:
+    """The refusal of a run because another process holds ``lock_path``; ``why``: what that means for this run."""
+    return BatchLockedError(
+        f"{lock_path} is held by {_holder(lock_path)}: {why}; wait for it to end (if that process is gone, delete "
+        f"{lock_path})"
+    )
+
+
+def _acquire(lock: FileLock) -> bool:
+    """Take ``lock`` without waiting; whether it was free."""
+    try:
+        with warnings.catch_warnings():  # filelock warns of the fallback described in lock_output_root
+            warnings.filterwarnings("ignore", "flock not supported", UserWarning)
+            lock.acquire()
+    except Timeout:
+        return False
+    return True
+
+
+def _held(lock_path: Path) -> bool:
+    """Whether another process holds the existing lock file ``lock_path`` (taken and released at once if free)."""
+    lock = FileLock(str(lock_path), timeout=0)
+    if _acquire(lock):
+        lock.release()
+        return False
+    return True
+
+
+def _check_nesting(root: Path, job_dirs: Iterable[Path]) -> None:
+    """Refuse a batch when another process holds the ``.batch.lock`` of a folder above ``root`` or of a folder on the
+    way from a job folder up to ``root`` (the job folder included), all by real paths (:func:`lock_output_root`)."""
+    real_root = Path(os.path.realpath(root))
+    folders = set(real_root.parents)
+    for out_dir in job_dirs:
+        folder = Path(os.path.realpath(out_dir))
+        while folder != real_root and folder not in folders:
+            folders.add(folder)  # up to the root, or (a job folder that a link leads out of it) the top
+            folder = folder.parent
+    for folder in sorted(folders):
+        lock_path = folder / _LOCK
+        if lock_path.is_file() and _held(lock_path):
+            raise _locked(
+                lock_path,
+                f"another regkit batch run uses the output root {folder}, which overlaps this batch's {root} (one "
+                "holds job folders of the other)",
+            )
+
+
 @contextlib.contextmanager
-def lock_output_root(root: Path) -> Iterator[Path]:
+def lock_output_root(root: Path, job_dirs: Iterable[Path] = ()) -> Iterator[Path]:
     """Create ``root`` and hold ``root/.batch.lock`` while the block runs; ``root/.batch.holder`` names the holder
     (pid, host, start time).
 
@@ -207,26 +286,22 @@ def lock_output_root(root: Path) -> Iterator[Path]:
     same host takes over the file of a process that is gone, one left by a killed run on another host stays until it
     is deleted.
 
+    Nested batches: once it holds its own lock, a run also refuses to start while another process holds the
+    ``.batch.lock`` of a folder above ``root`` or of a folder between ``root`` and one of ``job_dirs`` (the job
+    folders included), all by real paths: two runs whose output roots nest would otherwise write the same job
+    folders. Each takes its own lock before it looks at the others', so of two that start together at least one
+    sees the other.
+
     Raises :class:`BatchLockedError` naming the lock file and its holder if another process (or another block of this
-    one) holds it.
+    one) holds it or the lock of a nested batch.
     """
     root.mkdir(parents=True, exist_ok=True)
     lock_path, holder_path = root / _LOCK, root / _HOLDER
     lock = FileLock(str(lock_path), timeout=0)
+    if not _acquire(lock):
+        raise _locked(lock_path, "another regkit batch run uses this output root")
     try:
-        with warnings.catch_warnings():  # filelock warns of the fallback described above
-            warnings.filterwarnings("ignore", "flock not supported", UserWarning)
-            lock.acquire()
-    except Timeout:
-        try:
-            holder = holder_path.read_text(encoding="utf-8").strip() or "another process"
-        except FileNotFoundError:
-            holder = "another process"
-        raise BatchLockedError(
-            f"{lock_path} is held by {holder}: another regkit batch run uses this output root; wait for it to end "
-            f"(if that process is gone, delete {lock_path})"
-        ) from None
-    try:
+        _check_nesting(root, job_dirs)
         _atomic.write_text(holder_path, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%c')}\n")
         yield lock_path
     finally:

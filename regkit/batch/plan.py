@@ -1,5 +1,6 @@
-"""What a batch runs: its jobs (:class:`Job`, with the fingerprint of their inputs), the validated batch
-(:class:`Plan`, made by :func:`regkit.batch.load_spec`) and what a run does with each job (:func:`plan_actions`)."""
+"""What a batch runs: its jobs (:class:`Job`, with the fingerprint of their inputs and the record of their output
+folders), the validated batch (:class:`Plan`, made by :func:`regkit.batch.load_spec`) and what a run does with each job
+(:func:`plan_actions`)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class Job:
     inputs: dict[str, Path | None]  # INPUT_KEYS -> path
     config: RegistrationConfig
     out_dir: Path
+    run_id: str | None = None  # the batch run executing it (set by run_batch), recorded in its output folder
 
     @property
     def config_hash(self) -> str:
@@ -41,6 +43,22 @@ class Job:
                     stats.append([key, str(path), None, None])
         return json.dumps(stats)
 
+    def stamp(self) -> dict[str, str]:
+        """What names the job's output in its folder's record (:func:`regkit.results.write_outputs`' ``job``) and in
+        the manifest: its name, configuration hash and inputs' fingerprint."""
+        return {"name": self.name, "config_hash": self.config_hash, "inputs": self.fingerprint()}
+
+    def recorded(self) -> dict[str, Any] | None:
+        """The job record of the output folder (:func:`regkit.results.read_job_record`: the folder is complete), if it
+        carries this job's current :meth:`stamp`: the job's output is in place, whatever the manifest says (a run
+        killed between the rename of the folder and the manifest's update); else None."""
+        from regkit.results.folder import read_job_record
+
+        record = read_job_record(self.out_dir)
+        if record is None or any(record.get(key) != value for key, value in self.stamp().items()):
+            return None
+        return record
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -54,17 +72,21 @@ class Plan:
 
 
 def plan_actions(plan: Plan, rows: dict[str, dict[str, Any]], retry_failed: bool, force: bool) -> list[str]:
-    """What a run does with each job of ``plan`` given the manifest ``rows``: ``run``, ``skip (done)`` (done, inputs
-    and configuration unchanged, output folder complete) or ``skip (failed)`` (failed, unchanged, no ``retry_failed``).
-    """
+    """What a run does with each job of ``plan`` given the manifest ``rows``: ``skip (done)`` (done, and its output
+    folder carries its current stamp: :meth:`Job.recorded`), ``record done`` (its output folder carries its current
+    stamp but the manifest does not say done: the run that wrote it was killed before it could record it; the run
+    records it done without running it), ``skip (failed)`` (failed with unchanged inputs and configuration, no
+    ``retry_failed``) or ``run`` (everything else, and everything with ``force``)."""
     actions = []
     for job in plan.jobs:
-        row = rows.get(job.name)
-        if force or row is None or row["inputs"] != job.fingerprint() or row["config_hash"] != job.config_hash:
+        row = rows.get(job.name, {})
+        unchanged = (row.get("inputs"), row.get("config_hash")) == (job.fingerprint(), job.config_hash)
+        state = row["state"] if unchanged else None  # the manifest's state, if it is of these inputs and configuration
+        if force:
             actions.append("run")
-        elif row["state"] == "done" and (job.out_dir / "transform.json").is_file():
-            actions.append("skip (done)")
-        elif row["state"] == "failed" and not retry_failed:
+        elif job.recorded() is not None:
+            actions.append("skip (done)" if state == "done" else "record done")
+        elif state == "failed" and not retry_failed:
             actions.append("skip (failed)")
         else:
             actions.append("run")

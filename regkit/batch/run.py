@@ -3,14 +3,16 @@ dask executor, and ``summary.csv`` and ``report.html`` at the end of every run."
 
 from __future__ import annotations
 
-import glob as globlib
-import shutil
+import dataclasses
+import os
+import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from regkit.batch.dask import run_dask
-from regkit.batch.jobs import JobOutcome, run_job
+from regkit.batch.jobs import JobOutcome, recorded_outcome, run_job
 from regkit.batch.manifest import Manifest, lock_output_root
 from regkit.batch.plan import Plan, plan_actions
 from regkit.batch.report import write_report, write_summary
@@ -38,8 +40,16 @@ def run_batch(
     force: bool = False,
     on_outcome: Callable[[JobOutcome], None] | None = None,
 ) -> BatchReport:
-    """Run the jobs of ``plan`` that :func:`plan_actions` says to run, holding the output root's lock, and report
-    each outcome (also to ``on_outcome`` as it arrives). A failing job is recorded and the others go on."""
+    """Run the jobs of ``plan`` that :func:`plan_actions` says to run, holding the output root's lock (which also
+    refuses nested batches, :func:`lock_output_root`), and report each outcome (also to ``on_outcome`` as it arrives).
+    A failing job is recorded and the others go on.
+
+    Exactly once: first, what killed runs left beside the job folders is cleaned up
+    (:func:`regkit.results.remove_leftovers`); a job whose output folder carries its current stamp but which the
+    manifest does not say is done (``record done``: its run was killed after the folder's rename) is recorded done and
+    reported skipped (previous state ``done``), not run again. Each job run gets this run's id in its folder's record,
+    so that a task that dask runs again after its worker died once the folder was in place is not registered twice
+    (:func:`regkit.batch.execute_job`)."""
     report = BatchReport()
 
     def record(outcome: JobOutcome) -> None:
@@ -47,17 +57,25 @@ def run_batch(
         if on_outcome is not None:
             on_outcome(outcome)
 
-    with lock_output_root(plan.root):
+    from regkit.results.folder import remove_leftovers
+
+    with lock_output_root(plan.root, [job.out_dir for job in plan.jobs]):
+        remove_leftovers(job.out_dir for job in plan.jobs)  # before the plan: a folder moved aside may come back
         manifest = Manifest(plan.manifest)
         rows = manifest.rows()
         manifest.mark_pending(plan.jobs)
-        todo = []
+        run_id = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
+        todo, found, skipped = [], [], []
         for job, action in zip(plan.jobs, plan_actions(plan, rows, retry_failed, force), strict=True):
-            if action == "run":
-                todo.append(job)
+            outcome = recorded_outcome(job) if action == "record done" else None
+            if outcome is not None:
+                found.append((job, outcome))
+                skipped.append(dataclasses.replace(outcome, state="skipped", previous="done"))
+            elif action in ("run", "record done"):  # a record gone since the plan: run
+                todo.append(dataclasses.replace(job, run_id=run_id))
             else:
                 row = rows[job.name]
-                record(
+                skipped.append(
                     JobOutcome(
                         name=job.name,
                         state="skipped",
@@ -67,9 +85,9 @@ def run_batch(
                         previous=row["state"],
                     )
                 )
-        for job in todo:  # partial outputs of runs killed while writing (write_outputs' temporary folders)
-            for tmp in job.out_dir.parent.glob(f"{globlib.escape(job.out_dir.name)}.tmp-*"):
-                shutil.rmtree(tmp, ignore_errors=True)
+        manifest.record_done(found)
+        for outcome in skipped:
+            record(outcome)
         try:
             if executor == "local":
                 for job in todo:

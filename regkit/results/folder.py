@@ -20,16 +20,24 @@ written when their flag is true:
   (:mod:`regkit.results.metrics`);
 * ``config.yaml``: the resolved configuration (:func:`~regkit.config.dump_config`);
 * ``qc.png``: the quality-control picture of :func:`~regkit.results.qc.qc_picture` [``qc_png``];
-* ``.regkit-outputs.json``: the record of what regkit wrote into the folder (``{"files": [NAME, ...]}``), written
-  last; it is how ``overwrite`` recognises a folder that regkit wrote.
+* ``.regkit-outputs.json``: the record of what regkit wrote into the folder (``{"files": [NAME, ...]}``, and
+  ``"job"``, the mapping given as ``job``: a batch job's name, configuration hash and inputs' fingerprint), written
+  last; it is how ``overwrite`` recognises a folder that regkit wrote, and a batch a job whose output is complete
+  (:func:`read_job_record`).
 
-Atomicity: everything is written into a temporary folder beside the output folder (created exclusively, with a name
-nobody can predict), which is renamed into place only when complete; an existing folder is replaced (with
-``overwrite``) only after the new one is complete, and only if it is empty or holds nothing but what regkit wrote there
-(the names in its record; in a folder of an earlier regkit, which kept no record, the names of :data:`OUTPUT_FILES`,
-with ``transform.json`` among them). Of the replaced folder only regkit's files are deleted: a file put there in the
-meantime is kept (the old folder stays, renamed, and a warning says where). On any error, or Ctrl-C, the temporary
-folder is removed, so no half-written output ever exists.
+Atomicity: everything is written into a temporary folder beside the output folder (``NAME.tmp-PID@HOST-RANDOM``,
+created exclusively, with a name nobody can predict), which is renamed into place only when complete; an existing
+folder is replaced (with ``overwrite``) only after the new one is complete, and only if it is empty or holds nothing
+but what regkit wrote there (the names in its record; in a folder of an earlier regkit, which kept no record, the
+names of :data:`OUTPUT_FILES`, with ``transform.json`` among them). Of the replaced folder only regkit's files are
+deleted: a file put there in the meantime is kept (the old folder stays, renamed, and a warning says where). On any
+error, or Ctrl-C, the temporary folder is removed, so no half-written output ever exists.
+
+Concurrent writers: without ``overwrite``, of two runs writing one new folder at once the later raises
+:class:`OutputExistsError` (the rename never replaces a folder that appeared meanwhile); with it, the replacements
+take turns (a lock on the parent folder, where its file system can lock folders: not NFS). What a killed run left
+(its temporary folder, or the folder it replaced, moved aside as ``.NAME.old-PID@HOST-RANDOM``) is cleaned up by the
+next write of that folder (:func:`remove_leftovers`).
 
 Never over an input: :func:`check_output_dir` refuses to replace a folder that holds one of the run's inputs, and
 :func:`check_output_file` (the commands that write one file) an output that is one of them (same real path, so
@@ -41,10 +49,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import tempfile
+import re
 import time
 import warnings
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -76,7 +84,9 @@ __all__ = [
     "OutputExistsError",
     "check_output_dir",
     "check_output_file",
+    "read_job_record",
     "read_moving_grid",
+    "remove_leftovers",
     "write_outputs",
 ]
 
@@ -187,20 +197,33 @@ def _check_writable(out: Path, given: str | os.PathLike) -> None:
         raise RegkitError(f"cannot write the output {given}: no permission to write in {where}")
 
 
+def _read_record(folder: Path) -> dict[str, Any]:
+    """The record of ``folder`` (module docstring); empty if there is none, it cannot be read or is not an object."""
+    try:
+        record = json.loads((folder / OUTPUT_FILES["record"]).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def _regkit_entries(folder: Path) -> set[str]:
     """The names in ``folder`` that regkit wrote: those of its record and the record; in a folder without a record
     (written by an earlier regkit, which kept none), the names of :data:`OUTPUT_FILES` if it holds
     ``transform.json``; none if the record cannot be read."""
-    record = folder / OUTPUT_FILES["record"]
-    try:
-        names = json.loads(record.read_text())["files"]
-    except FileNotFoundError:
+    if not os.path.lexists(folder / OUTPUT_FILES["record"]):
         return set(OUTPUT_FILES.values()) if (folder / OUTPUT_FILES["transform"]).is_file() else set()
-    except (OSError, ValueError, KeyError, TypeError):
-        return set()
+    names = _read_record(folder).get("files")
     if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
         return set()
-    return {*names, record.name}
+    return {*names, OUTPUT_FILES["record"]}
+
+
+def read_job_record(out_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The ``job`` mapping that :func:`write_outputs` put into the record of the output folder ``out_dir``; None
+    where the folder is missing, holds no ``transform.json`` or has no readable record with a ``job`` mapping."""
+    folder = Path(out_dir)
+    job = _read_record(folder).get("job") if (folder / OUTPUT_FILES["transform"]).is_file() else None
+    return job if isinstance(job, dict) else None
 
 
 def _first_few(names: list[str]) -> str:
@@ -236,6 +259,7 @@ def write_outputs(
     overwrite: bool = False,
     extra: Mapping[str, Path] | None = None,
     inputs: Iterable[str | os.PathLike | None] = (),
+    job: Mapping[str, Any] | None = None,
 ) -> dict[str, Path]:
     """Write a registration's outputs into ``out_dir`` (module docstring: names, conventions, atomicity).
 
@@ -251,13 +275,16 @@ def write_outputs(
         extra: name -> a file or folder on the output folder's file system, moved into it under that name with the
             outputs (so that it appears only with them) and recorded as regkit's (the demo's generated inputs).
         inputs: the paths the run read (None is skipped): an existing ``out_dir`` that holds one is not replaced.
+        job: a JSON-serialisable mapping written into the folder's record under ``job`` before the folder is renamed
+            into place, so that the folder itself says which work it completes (a batch job's name, configuration
+            hash and inputs' fingerprint; :func:`read_job_record`).
 
     Returns:
         Output key (:data:`OUTPUT_FILES`) -> path of every file written.
 
     Raises:
-        OutputExistsError: ``out_dir`` exists and ``overwrite`` is False, or it holds files that regkit did not write
-            or one of ``inputs`` (:func:`check_output_dir`).
+        OutputExistsError: ``out_dir`` exists and ``overwrite`` is False (also when another run wrote it meanwhile),
+            or it holds files that regkit did not write or one of ``inputs`` (:func:`check_output_dir`).
         ImageValueError: a label map holds non-integer values.
         ImageDimensionError: a label map's dimension differs from the images'.
     """
@@ -272,7 +299,8 @@ def write_outputs(
                 raise ImageDimensionError(f"the {name} are {image.ndim}D but the images are {ndim}D")
             labels[name] = as_label_map(image, f"the {name}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _atomic.staging(out.parent, f"{out.name}.tmp-") as tmp:  # batch runs remove such folders left by a kill
+    remove_leftovers([out])
+    with _atomic.staging(out.parent, f"{out.name}.tmp-") as tmp:
         # image files are written by threads while the next outputs are computed (compressing a 1 mm brain's fields
         # takes seconds each; SimpleITK releases the GIL while it writes); the pool waits for them before closing
         with ThreadPoolExecutor(max_workers=_WRITERS) as pool:
@@ -280,10 +308,12 @@ def write_outputs(
             written = _write_all(pool, result, tmp, moving, fixed, start, peak_memory)
         for name, path in (extra or {}).items():
             os.replace(path, tmp / name)
-        record = {"files": sorted([*(path.name for path in written.values()), *(extra or {})])}
+        record: dict[str, Any] = {"files": sorted([*(path.name for path in written.values()), *(extra or {})])}
+        if job is not None:
+            record["job"] = dict(job)
         written["record"] = tmp / OUTPUT_FILES["record"]
         written["record"].write_text(json.dumps(record, indent=1))
-        _replace(tmp, out)
+        _replace(tmp, out, overwrite)
     return {key: out / path.name for key, path in written.items()}
 
 
@@ -365,49 +395,104 @@ def _write_all(
     return written
 
 
-def _replace(tmp: Path, out: Path) -> None:
-    """Move the complete folder ``tmp`` to ``out``. An existing ``out`` is first moved aside, into a new folder of its
-    own (so that no planted name is in the way); if files that regkit did not write appeared in it since
-    :func:`check_output_dir`, it is put back and OutputExistsError raised; regkit's files in it are deleted only after
-    the move succeeded (:func:`_remove_outputs`)."""
-    if not os.path.lexists(out):
-        os.replace(tmp, out)
-        return
-    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    old = aside / out.name
-    os.replace(out, old)
+def _rename_into_place(tmp: Path, out: Path) -> None:
+    """Rename the folder ``tmp`` to ``out``, never over an existing non-empty folder, a file or a link (rename(2)
+    refuses them; Windows refuses any existing ``out``): OutputExistsError."""
     try:
-        foreign = [] if old.is_symlink() else _foreign_entries(old)
-        if foreign:
-            raise OutputExistsError(
-                f"output folder {out} now holds files that regkit did not write ({_first_few(foreign)}); "
-                "it was left as it was"
-            )
-        os.replace(tmp, out)
-    except BaseException:
-        os.replace(old, out)
-        aside.rmdir()
-        raise
+        os.rename(tmp, out)
+    except OSError:
+        if not os.path.lexists(out):
+            raise
+        raise OutputExistsError(
+            f"output folder {out} appeared while regkit wrote it (another run?); it was left as it was and nothing "
+            "was written: use --overwrite to replace it, or choose another -o"
+        ) from None
+
+
+def _replace(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Move the complete folder ``tmp`` to ``out``, holding the lock of their parent folder
+    (:func:`regkit._atomic.folder_lock`). An ``out`` that exists now (it appeared since :func:`check_output_dir`:
+    another run's output) is replaced only with ``overwrite``, else OutputExistsError. It is first moved aside, into
+    a new folder of its own (so that no planted name is in the way); if files that regkit did not write appeared in it
+    since :func:`check_output_dir`, it is put back and OutputExistsError raised; regkit's files in it are deleted only
+    after the move succeeded (:func:`_remove_outputs`)."""
+    with _atomic.folder_lock(out.parent):
+        if not overwrite or not os.path.lexists(out):
+            _rename_into_place(tmp, out)
+            return
+        aside = _atomic.make_folder(out.parent, f".{out.name}.old-")
+        old = aside / out.name
+        os.rename(out, old)
+        try:
+            foreign = [] if old.is_symlink() else _foreign_entries(old)
+            if foreign:
+                raise OutputExistsError(
+                    f"output folder {out} now holds files that regkit did not write ({_first_few(foreign)}); "
+                    "it was left as it was"
+                )
+            _rename_into_place(tmp, out)
+        except BaseException:
+            os.rename(old, out)
+            aside.rmdir()
+            raise
     _remove_outputs(old)
 
 
 def _remove_outputs(old: Path) -> None:
     """Delete the replaced output folder ``old`` and the folder it was moved into: the link, if it was a symlink (the
-    folder it points to is left alone), else regkit's entries in it, and the folders once empty. Anything else (put
-    there during the swap) is kept where it is, and a warning says where."""
+    folder it points to is left alone), else regkit's entries in it, the record last (so that a deletion cut short is
+    taken up again by :func:`remove_leftovers`), and the folders once empty. Anything else (put there during the
+    swap) is kept where it is, and a warning says where."""
     if old.is_symlink():
         old.unlink()
     else:
         ours = _regkit_entries(old)
-        for entry in old.iterdir():
+        for entry in sorted(old.iterdir(), key=lambda entry: entry.name == OUTPUT_FILES["record"]):
             if entry.name in ours:
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry)
-                else:
-                    entry.unlink()
+                _atomic.discard(entry)
         with contextlib.suppress(OSError):
             old.rmdir()
     if os.path.lexists(old):
         warnings.warn(f"files that regkit did not write were kept in {old}", stacklevel=4)
     else:
         old.parent.rmdir()
+
+
+_LEFTOVER = re.compile(r"\.?(?P<name>.+)\.[a-z]+-")  # the prefix of a temporary beside NAME: NAME.KIND- or .NAME.KIND-
+
+
+def remove_leftovers(out_dirs: Iterable[str | os.PathLike]) -> None:
+    """Clean up what writers killed on this host left beside each output folder ``NAME`` of ``out_dirs``: their
+    temporaries (``NAME.KIND-PID@HOST-RANDOM``, ``.NAME.KIND-...``: :func:`regkit._atomic.leftovers`) of processes
+    that are gone, never those of a live process or of another host. They are removed, except a replaced folder moved
+    aside (``.NAME.old-...``): put back where ``NAME`` is missing (its writer was killed before the new folder was in
+    place), else emptied of regkit's files (:func:`_remove_outputs`). One listing of each parent folder, locked."""
+    by_parent: dict[Path, set[str]] = defaultdict(set)
+    for out_dir in out_dirs:
+        out = Path(os.path.abspath(out_dir))
+        by_parent[out.parent].add(out.name)
+    for parent, names in by_parent.items():
+        if not parent.is_dir():
+            continue
+        with _atomic.folder_lock(parent):
+            for prefix, path in _atomic.leftovers(parent):
+                match = _LEFTOVER.fullmatch(prefix)
+                if match is None or match["name"] not in names:
+                    continue
+                if prefix == f".{match['name']}.old-":
+                    _settle_aside(path, parent / match["name"])
+                else:
+                    _atomic.discard(path)
+
+
+def _settle_aside(aside: Path, out: Path) -> None:
+    """The folder ``aside`` into which a killed writer moved the output folder ``out`` that it was replacing: put
+    back if ``out`` is missing, else its regkit files deleted (:func:`_remove_outputs`); removed once empty."""
+    old = aside / out.name
+    if os.path.lexists(old):
+        if os.path.lexists(out):
+            _remove_outputs(old)
+            return
+        os.rename(old, out)
+    with contextlib.suppress(OSError):
+        aside.rmdir()

@@ -2,7 +2,10 @@
 through a planted symlink."""
 
 import os
+import socket
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,3 +69,57 @@ def test_files_and_folders_get_the_permissions_of_the_umask(tmp_path: Path):
         assert folder.name.startswith(".stage-") and stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~umask
         (folder / "file").write_text("x")
     assert not folder.exists()
+
+
+def dead_pid() -> int:
+    """The id of a process of this host that has ended."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
+    return int(done.stdout)
+
+
+def test_temporaries_name_their_process_and_the_next_writer_removes_those_of_gone_ones(tmp_path: Path):
+    host = socket.gethostname()
+    with _atomic.replacing(tmp_path / "a.json") as tmp:
+        assert tmp.name.startswith(f".a.tmp-{os.getpid()}@{host}-") and tmp.name.endswith(".json")
+    dead, live = dead_pid(), os.getpid()
+    gone = tmp_path / f".a.tmp-{dead}@{host}-abcdefgh.json"  # left by a writer killed on this host
+    kept = [tmp_path / f".a.tmp-{live}@{host}-abcdefgh.json", tmp_path / f".a.tmp-{dead}@other-host-abcdefgh.json"]
+    for path in (gone, *kept):
+        path.write_text("partial")
+    stage_gone, stage_kept = tmp_path / f"s.tmp-{dead}@{host}-abcdefgh", tmp_path / f"s.tmp-{live}@{host}-abcdefgh"
+    for folder in (stage_gone, stage_kept):
+        folder.mkdir()
+        (folder / "file").write_text("partial")
+    assert _atomic.leftovers(tmp_path) == [(".a.tmp-", gone), ("s.tmp-", stage_gone)]
+    _atomic.write_text(tmp_path / "a.json", "new")
+    with _atomic.staging(tmp_path, "s.tmp-"):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a.json", stage_kept.name, *(p.name for p in kept)])
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="Linux reads the umask from /proc")
+def test_the_umask_is_read_without_setting_it(tmp_path: Path, monkeypatch):
+    umask = os.umask(0o027)
+    os.umask(umask)
+
+    def no_umask(mask: int) -> int:
+        raise AssertionError("os.umask changes the umask of every thread")
+
+    monkeypatch.setattr(os, "umask", no_umask)
+    target = _atomic.write_text(tmp_path / "a.txt", "x")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="flock is a POSIX call")
+def test_a_folder_lock_is_held_on_the_folder_itself(tmp_path: Path):
+    import fcntl
+
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        with _atomic.folder_lock(tmp_path):
+            with pytest.raises(BlockingIOError):  # another open file description: another writer waits
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released at the end of the block
+    finally:
+        os.close(fd)
+    assert list(tmp_path.iterdir()) == []  # no lock file

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -149,3 +150,23 @@ def test_lock_falls_back_to_a_lock_file_where_the_file_system_has_no_flock(tmp_p
     lock.unlink()
     with lock_output_root(tmp_path):
         pass
+
+
+def test_batches_whose_output_roots_nest_are_refused(tmp_path):
+    make_data(tmp_path)
+    outer = load_spec(write_spec(tmp_path, LIST_SPEC))  # root out/, job folders out/b_to_a, out/c_to_a
+    inner = load_spec(write_spec(tmp_path, LIST_SPEC.replace("output: out", "output: out/b_to_a")))
+    (tmp_path / "link").symlink_to(tmp_path / "out")  # the same root by another path
+    linked = load_spec(write_spec(tmp_path, LIST_SPEC.replace("output: out", "output: link/b_to_a/deeper")))
+    with lock_output_root(inner.root):
+        with pytest.raises(BatchLockedError) as err:
+            run_batch(outer)  # its job folder out/b_to_a is the other run's root
+        assert str(err.value).startswith(f"{inner.root / '.batch.lock'} is held by pid {os.getpid()}")
+        assert "which overlaps this batch's" in str(err.value) and "\n" not in str(err.value)
+    with lock_output_root(outer.root, [job.out_dir for job in outer.jobs]):
+        for plan in (inner, linked):  # inside the other run's root, also through a symbolic link
+            with pytest.raises(BatchLockedError, match=r"out/\.batch\.lock is held by pid .* the output root .*/out,"):
+                run_batch(plan)
+    assert not outer.manifest.exists() and not inner.manifest.exists()
+    shutil.rmtree(inner.root)  # the other runs' roots (with their lock files) in a job folder of this one
+    assert [o.state for o in run_batch(outer).outcomes] == ["done", "done"]  # alone, it runs

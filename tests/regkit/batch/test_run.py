@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 
-from regkit.batch import Manifest, load_spec, run_batch
+from regkit.batch import Manifest, execute_job, load_spec, run_batch
 from regkit.io import write_image
+from regkit.results import OUTPUT_FILES
 from tests.regkit.batch.batch_cases import LIST_SPEC, blob, corrupt, make_data, write_spec
 
 
@@ -53,3 +55,26 @@ def test_run_resume_failure_retry_force(tmp_path):
     forced = run_batch(load_spec(spec), force=True)
     assert [o.state for o in forced.outcomes] == ["done", "done"]
     assert (tmp_path / "out" / "b_to_a" / "transform.json").stat().st_mtime_ns != done_mtime
+
+
+def test_a_job_whose_folder_is_in_place_is_recorded_done_not_run_again(tmp_path):
+    make_data(tmp_path)
+    plan = load_spec(write_spec(tmp_path, LIST_SPEC))
+    first = {o.name: o for o in run_batch(plan).outcomes}
+    mtimes = {job.name: (job.out_dir / "transform.json").stat().st_mtime_ns for job in plan.jobs}
+    Manifest(plan.manifest).start(plan.jobs, "a run killed after the folders' renames")
+    again = run_batch(load_spec(plan.spec_path))
+    assert [(o.state, o.previous) for o in again.outcomes] == [("skipped", "done")] * 2
+    rows = Manifest(plan.manifest).rows()
+    for outcome in again.outcomes:  # what the folders' records say: the run that wrote them
+        assert rows[outcome.name]["state"] == "done" and rows[outcome.name]["device"] == "cpu"
+        assert outcome.started == first[outcome.name].started and outcome.worker == first[outcome.name].worker
+        assert 0 < outcome.seconds and rows[outcome.name]["seconds"] == outcome.seconds
+    assert {job.name: (job.out_dir / "transform.json").stat().st_mtime_ns for job in plan.jobs} == mtimes
+
+    job = plan.jobs[0]
+    run_id = json.loads((job.out_dir / OUTPUT_FILES["record"]).read_text())["job"]["run"]
+    again = execute_job(dataclasses.replace(job, run_id=run_id))  # dask running the task again in the same run
+    assert again.state == "done" and again.started == first[job.name].started
+    assert (job.out_dir / "transform.json").stat().st_mtime_ns == mtimes[job.name]
+    assert execute_job(dataclasses.replace(job, run_id="another run")).started != first[job.name].started

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from regkit.io import Image, read_image
 from regkit.results import OUTPUT_FILES, OutputExistsError, check_output_dir, check_output_file, write_outputs
 from regkit.spatial.grid import Grid
 from tests.helpers import registration_config, same_grid
+from tests.regkit.test_atomic import dead_pid
 
 ALL_FILES = set(OUTPUT_FILES.values())
 
@@ -261,3 +263,65 @@ def test_label_map_of_another_dimension_is_refused(registration_case, tmp_path):
     with pytest.raises(ImageDimensionError, match="moving labels"):
         write_outputs(result, tmp_path / "out", moving_labels=other)
     assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Concurrent writers, the job record, leftovers of killed writers
+
+
+def test_of_two_writers_of_one_folder_the_later_fails_without_overwrite(registration_case, tmp_path, monkeypatch):
+    result, _, _ = registration_case
+    out = tmp_path / "out"
+    dump_config = folder.dump_config
+
+    def another_run_finishes_first(overwrite: bool) -> None:
+        def write(*args, **kwargs):
+            monkeypatch.setattr(folder, "dump_config", dump_config)
+            write_outputs(result, out, overwrite=overwrite, job={"name": "first"})  # it passed check_output_dir too
+            return dump_config(*args, **kwargs)
+
+        monkeypatch.setattr(folder, "dump_config", write)
+
+    another_run_finishes_first(False)
+    with pytest.raises(OutputExistsError, match=r"output folder .*out appeared while regkit wrote it"):
+        write_outputs(result, out, job={"name": "late"})
+    assert folder.read_job_record(out) == {"name": "first"}  # the first one's output, untouched
+    assert os.listdir(tmp_path) == ["out"]
+    another_run_finishes_first(True)
+    write_outputs(result, out, overwrite=True, job={"name": "late"})  # replaces the first one's, in turn
+    assert folder.read_job_record(out) == {"name": "late"} and os.listdir(tmp_path) == ["out"]
+
+
+def test_the_job_record_says_which_work_a_folder_completes(registration_case, tmp_path):
+    result, _, out = registration_case
+    assert folder.read_job_record(out) is None  # written without one
+    job = {"name": "b_to_a", "config_hash": "abc", "inputs": "[]"}
+    write_outputs(result, tmp_path / "out", job=job)
+    assert folder.read_job_record(tmp_path / "out") == job
+    assert json.loads((tmp_path / "out" / OUTPUT_FILES["record"]).read_text())["job"] == job
+    (tmp_path / "out" / "transform.json").unlink()
+    assert folder.read_job_record(tmp_path / "out") is None  # not complete
+    assert folder.read_job_record(tmp_path / "missing") is None
+
+
+def test_the_next_writer_cleans_up_what_killed_writers_left(registration_case, tmp_path):
+    result, _, _ = registration_case
+    host, dead = socket.gethostname(), dead_pid()
+    out, aside = tmp_path / "out", tmp_path / f".out.old-{dead}@{host}-abcdefgh"
+    write_outputs(result, out, job={"name": "old"})
+    aside.mkdir()  # a writer killed between moving "out" aside and renaming its new folder into place
+    os.rename(out, aside / "out")
+    (tmp_path / f"out.tmp-{dead}@{host}-abcdefgh").mkdir()  # its temporary folder
+    live = tmp_path / f"out.tmp-{os.getpid()}@{host}-abcdefgh"  # a writer still at work
+    live.mkdir()
+    folder.remove_leftovers([out])
+    assert folder.read_job_record(out) == {"name": "old"}  # put back: the replacement never arrived
+    assert sorted(os.listdir(tmp_path)) == sorted(["out", live.name])
+
+    aside.mkdir()  # a writer killed after its new folder was in place, before it deleted the old one
+    write_outputs(result, aside / "out")
+    (aside / "out" / "notes.txt").write_text("precious")
+    with pytest.warns(UserWarning, match=r"files that regkit did not write were kept in .*\.out\.old-"):
+        write_outputs(result, out, overwrite=True)  # the next writer of "out" cleans up first
+    assert os.listdir(aside / "out") == ["notes.txt"]  # regkit's files deleted, the user's kept
+    assert sorted(os.listdir(tmp_path)) == sorted(["out", live.name, aside.name])
