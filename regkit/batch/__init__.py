@@ -28,16 +28,18 @@ output folder; each problem is a :class:`~regkit.errors.ConfigError` ``FILE:LINE
 Running (:func:`run_batch`): the manifest (:class:`Manifest`, SQLite with a rollback journal, so that it may live on a
 network file system; ``manifest.sqlite`` in the output root unless the spec's ``manifest`` or ``--manifest`` puts it
 elsewhere, e.g. on a local disk) holds each job's state (pending, running, done, failed), its inputs' sizes and mtimes,
-its configuration hash (:func:`regkit.config.config_hash`), its one-line error and its timings. Only the process
-running the batch writes it, also with dask, whose workers return their outcomes to it. A job is skipped when it is
-done with unchanged inputs and configuration and its output folder holds ``transform.json`` (folders are written
-atomically by :func:`regkit.results.write_outputs`, so a folder that exists is complete, even after ``kill -9``);
-failed jobs are skipped unless ``retry_failed`` (or their inputs changed); ``force`` reruns everything. A failing job
-is recorded and the others go on. At the end of every run (a rerun too, and one stopped by an exception or Ctrl-C),
-the output root gets, written atomically, ``summary.csv`` with one row per job of the plan (:data:`SUMMARY_COLUMNS`)
-and ``report.html`` (:func:`write_report`: a self-contained page with a sortable table, QC thumbnails and metric
-histograms). ``.batch.lock`` in the output root is held for the whole run (:func:`lock_output_root`): a second run on
-the same root is refused.
+its configuration hash (:func:`regkit.config.config_hash`), its one-line error and its timings. Only the process running
+the batch writes it, also with dask, whose workers return their outcomes to it. A job is skipped when its inputs and
+configuration are unchanged and its output folder is complete: folders are written atomically by
+:func:`regkit.results.write_outputs`, and each job's folder carries its stamp (name, configuration hash, inputs'
+fingerprint) in its record, written before the folder is renamed into place; a job whose folder carries its current
+stamp is done, also when a run was killed between the rename and the manifest's update (it is then recorded done, not
+run again), so every job runs exactly once; failed jobs are skipped unless ``retry_failed`` (or their inputs changed);
+``force`` reruns everything. A failing job is recorded and the others go on. At the end of every run (a rerun too, and
+one stopped by an exception or Ctrl-C), the output root gets, written atomically, ``summary.csv`` with one row per job
+of the plan (:data:`SUMMARY_COLUMNS`) and ``report.html`` (:func:`write_report`: a self-contained page with a sortable
+table, QC thumbnails and metric histograms). ``.batch.lock`` in the output root is held for the whole run
+(:func:`lock_output_root`): a second run on the same root is refused.
 
 Executors: ``local`` runs the jobs one after another in this process, each on its configuration's ``device``.
 ``dask`` runs each job as one task of :func:`execute_job` (as the local executor does) on a dask.distributed cluster:

@@ -42,6 +42,10 @@ next write of that folder (:func:`remove_leftovers`).
 Never over an input: :func:`check_output_dir` refuses to replace a folder that holds one of the run's inputs, and
 :func:`check_output_file` (the commands that write one file) an output that is one of them (same real path, so
 symlinks and relative paths count, or the same file).
+
+Over 500 lines because the writer, the checks it makes before writing and the rules by which a complete folder takes
+the place of an older one (the record, concurrent writers, leftovers) make one guarantee, each part relying on the
+others' names and record.
 """
 
 from __future__ import annotations
