@@ -1,10 +1,14 @@
-"""The dask executor (:func:`run_dask`, described in :mod:`regkit.batch`): the local cluster's worker processes
-(:class:`LocalWorker`, :func:`plan_local_workers`, :func:`local_workers_for`, :func:`local_cluster`), the resources a
-job asks for (:func:`job_resources`), and regkit's dask WorkerPlugin (:func:`worker_plugin`) with what it configures
-in every worker (:func:`worker_threads`, :func:`node_cache_dir`)."""
+"""The dask executor (:func:`run_dask`, described in :mod:`regkit.batch`): the local cluster (:class:`LocalWorker`,
+:func:`plan_local_workers`, :func:`local_workers_for`, :func:`local_cluster`), a cluster given by address
+(:func:`connect_scheduler`, :func:`tls_security`), the resources a job asks for (:func:`job_resources`), regkit's dask
+WorkerPlugin (:func:`worker_plugin`) and what it sets in workers (:func:`worker_threads`, :func:`node_cache_dir`).
+
+Over 500 lines because the cluster's security (TLS credentials of the local cluster, those given for a remote one)
+belongs with the clusters it secures: split off, every executor change would touch two modules."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -12,16 +16,23 @@ import os
 import re
 import socket
 import time
+import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from regkit.batch.jobs import JobOutcome, execute_job, one_line
 from regkit.batch.manifest import Manifest
 from regkit.batch.plan import Job
 from regkit.errors import RegkitError
 
+if TYPE_CHECKING:
+    from distributed import Client, Security
+
+CONNECT_TIMEOUT = 5.0
+"""Seconds a dask scheduler given by address has to accept the connection and send dask's handshake."""
 NODE_CACHE = "REGKIT_NODE_CACHE"
 """Environment variable of a dask worker: the folder of its numba and Triton caches (:func:`node_cache_dir`)."""
 WORKER_THREADS = "REGKIT_WORKER_THREADS"
@@ -112,17 +123,58 @@ def local_workers_for(jobs: list[Job], workers: int | None) -> list[LocalWorker]
     return plan_local_workers(workers, gpus, cpu_count())
 
 
+def _require_distributed() -> None:
+    """Raise :class:`RegkitError` saying how to install dask.distributed where it is missing."""
+    try:
+        import dask.distributed  # noqa: F401
+    except ImportError:
+        raise RegkitError(
+            "--executor dask needs dask.distributed: pip install 'regkit[dask]' (or 'dask[distributed]')"
+        ) from None
+
+
+@functools.cache
+def _servers_without_http() -> tuple[type, ...]:
+    """dask's Scheduler and Worker classes without the HTTP server that dask starts in each (metrics, health, state;
+    the dashboard where asked for) whatever ``dashboard`` and ``dashboard_address`` say, on a port that nothing
+    authenticates. Defined on first use: dask.distributed is optional and slow to import."""
+    from distributed import Scheduler, Worker
+
+    def start_no_http_server(self: Any, *args: Any, **kwargs: Any) -> None:
+        """Start no HTTP server (where dask's ``ServerNode.start_http_server`` starts one)."""
+
+    overrides = {"start_http_server": start_no_http_server}
+    return tuple(type(f"{server.__name__}WithoutHttp", (server,), overrides) for server in (Scheduler, Worker))
+
+
+def _worker_without_http(**options: Any) -> Any:
+    """A dask Worker without HTTP server, the ``worker_class`` of the local cluster's nannies: a function of this
+    module reaches their worker processes by name (a class made in a function could not be pickled)."""
+    return _servers_without_http()[1](**options)
+
+
 @contextlib.contextmanager
 def local_cluster(workers: list[LocalWorker]) -> Iterator[Any]:
     """A ``dask.distributed`` cluster of one single-threaded worker process (Nanny) per :class:`LocalWorker`, each
-    with its environment and resources, and a scheduler on 127.0.0.1 without dashboard; each worker may use ``1/n``
-    of the memory (the nanny restarts a worker that exceeds it: its job fails)."""
+    with its environment and resources, and a scheduler, on 127.0.0.1; each worker may use ``1/n`` of the memory (the
+    nanny restarts a worker that exceeds it: its job fails). Every connection is TLS with credentials of this cluster
+    alone (``Security.temporary()``: a certificate and key in memory, which ``Client(cluster)`` takes from
+    ``cluster.security``), so a process without them (another user's) can neither connect nor run code in the workers;
+    no process of the cluster serves HTTP. Raises :class:`RegkitError` without the ``cryptography`` package."""
     import logging
 
-    from dask.distributed import Nanny, Scheduler, SpecCluster
+    from dask.distributed import Nanny, Security, SpecCluster
 
+    try:
+        security = Security.temporary()
+    except ImportError:
+        raise RegkitError(
+            "--executor dask needs the cryptography package for the TLS credentials of its local cluster: pip "
+            "install 'regkit[dask]' (or 'cryptography')"
+        ) from None
     quiet = logging.WARNING
-    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": False, "dashboard_address": None}}
+    options = {"host": "127.0.0.1", "dashboard": False, "security": security}
+    scheduler = {"cls": _servers_without_http()[0], "options": options}
     specs = {
         worker.name: {
             "cls": Nanny,
@@ -133,12 +185,122 @@ def local_cluster(workers: list[LocalWorker]) -> Iterator[Any]:
                 "host": "127.0.0.1",
                 "memory_limit": 1 / len(workers),
                 "silence_logs": quiet,
+                "security": security,
+                "worker_class": _worker_without_http,
             },
         }
         for worker in workers
     }
-    with SpecCluster(scheduler=scheduler, workers=specs, silence_logs=quiet) as cluster:
+    with SpecCluster(scheduler=scheduler, workers=specs, security=security, silence_logs=quiet) as cluster:
         yield cluster
+
+
+# --- a cluster given by address: the address, TLS, the connection --------------------------------------------------
+
+
+def tls_security(ca_file: Path | None = None, cert: Path | None = None, key: Path | None = None) -> Security:
+    """The dask ``Security`` of a client of a TLS scheduler, encryption required, of PEM files: ``ca_file``, the
+    certificate of the authority that signed the cluster's; ``cert``, this client's; ``key``, its private key (None
+    where ``cert`` holds it). Those not given, the ciphers and TLS versions come from dask's configuration
+    (``distributed.comm.tls.ca-file``, ``.client.cert``, ``.client.key``); :func:`connect_scheduler` checks them."""
+    _require_distributed()
+    from dask.distributed import Security
+
+    files = {"tls_ca_file": ca_file, "tls_client_cert": cert, "tls_client_key": key}
+    return Security(require_encryption=True, **{field: str(path) for field, path in files.items() if path is not None})
+
+
+def scheduler_protocol(address: str) -> str:
+    """The protocol of a dask scheduler address (``tcp`` where it has none, dask's default) after checking that the
+    address is ``PROTOCOL://HOST:PORT`` with a protocol that dask knows; raises :class:`RegkitError` otherwise."""
+    _require_distributed()
+    from distributed.comm import parse_address, parse_host_port
+    from distributed.comm.registry import backends
+
+    try:
+        scheme, location = parse_address(address)
+        if scheme not in backends:
+            raise ValueError(f"unknown protocol {scheme}://, dask has {', '.join(f'{b}://' for b in backends)}")
+        if scheme != "inproc":  # this process's own scheduler, no network
+            parse_host_port(location)
+    except ValueError as err:
+        raise RegkitError(
+            f"--scheduler {address!r} is not a dask scheduler address ({err}): give PROTOCOL://HOST:PORT, e.g. "
+            "tls://10.0.0.5:8786"
+        ) from None
+    return scheme
+
+
+def _check_tls_files(address: str, security: Security) -> None:
+    """Check that ``security`` gives a client of the TLS scheduler at ``address`` what it needs: a CA certificate
+    and a client certificate (and its key), each readable (a file, or PEM text held in memory as
+    ``Security.temporary()`` does), that load; raises :class:`RegkitError` naming the file otherwise."""
+    tls = security.get_tls_config_for_role("client")
+    if not (tls["ca_file"] and tls["cert"]):
+        raise RegkitError(
+            f"--scheduler {address}: a TLS scheduler needs this client's credentials: give --tls-ca-file, --tls-cert "
+            "and --tls-key (or dask's distributed.comm.tls.ca-file, .client.cert and .client.key)"
+        )
+    for role, value in (("CA certificate", tls["ca_file"]), ("certificate", tls["cert"]), ("key", tls["key"])):
+        path = Path(value or ".")  # a file, or None, or PEM text held in memory
+        if value and "\n" not in value and not (path.is_file() and os.access(path, os.R_OK)):
+            problem = "not a readable file" if path.exists() else "no such file"
+            raise RegkitError(f"--scheduler {address}: the TLS {role} {path}: {problem}")
+    try:
+        security.get_connection_args("client")
+    except (OSError, ValueError) as err:
+        raise RegkitError(f"--scheduler {address}: the TLS files do not load: {one_line(err)}") from None
+
+
+def _handshake_within(address: str, connection_args: dict[str, Any], timeout: float) -> None:
+    """Connect to the dask server at ``address`` and receive its handshake within ``timeout`` seconds (dask's own
+    connection waits forever for that of a server that accepts and stays silent), in a thread with its own event loop
+    (the caller may be in one, a notebook's); then close the connection."""
+    from distributed.comm import connect
+
+    async def handshake() -> None:
+        comm = await asyncio.wait_for(connect(address, timeout=timeout, **connection_args), timeout)
+        await comm.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, handshake()).result()
+
+
+def connect_scheduler(address: str, security: Security | None = None) -> Client:
+    """A dask ``Client`` of the scheduler at ``address`` (``PROTOCOL://HOST:PORT``, the protocol by default dask's
+    ``tcp``) with ``security`` (None: dask's configuration, ``distributed.comm.tls.*``), which must give a CA
+    certificate, a client certificate and its key for ``tls://`` and ``wss://`` (:func:`tls_security`). ``tcp://``,
+    ``ws://`` and ``ucx://`` are neither encrypted nor authenticated (whoever reaches the scheduler can run code on its
+    workers): a ``UserWarning``, and refused with ``security`` given, which would go unused. Raises
+    :class:`RegkitError`, one line naming the address, for an address that is none, missing or unusable credentials,
+    and a scheduler that does not answer within :data:`CONNECT_TIMEOUT` seconds or refuses the connection."""
+    from dask.distributed import Client, Security
+
+    scheme = scheduler_protocol(address)
+    if scheme in ("tls", "wss"):
+        security = Security() if security is None else security
+        _check_tls_files(address, security)
+    elif security is not None and scheme != "inproc":
+        raise RegkitError(
+            f"--scheduler {address}: TLS settings were given for a connection without TLS ({scheme}://); give the "
+            "scheduler's tls:// address"
+        )
+    elif scheme != "inproc":
+        warnings.warn(
+            f"the dask scheduler {address} is reached over {scheme}://, neither encrypted nor authenticated: anyone "
+            "who reaches it can run code on its workers; use tls:// with --tls-ca-file, --tls-cert, --tls-key",
+            stacklevel=2,
+        )
+    security = Security() if security is None else security
+    try:
+        _handshake_within(address, security.get_connection_args("client"), CONNECT_TIMEOUT)
+        return Client(address, security=security, timeout=CONNECT_TIMEOUT)
+    except (TimeoutError, asyncio.TimeoutError):
+        raise RegkitError(
+            f"cannot connect to the dask scheduler at {address}: no answer in {CONNECT_TIMEOUT:g} s"
+        ) from None
+    except Exception as err:  # refused, name unknown, TLS handshake failed, not a dask server, ...
+        raise RegkitError(f"cannot connect to the dask scheduler at {address}: {one_line(err)}") from None
 
 
 # --- what RegkitWorkerPlugin does in each dask worker -----------------------------------------------------------------
@@ -299,16 +461,24 @@ def _start_workers(client: Any, jobs: list[Job]) -> None:
 
 
 def run_dask(
-    jobs: list[Job], manifest: Path, workers: int | None, scheduler: str | None, report: Callable[[JobOutcome], None]
+    jobs: list[Job],
+    manifest: Path,
+    workers: int | None,
+    scheduler: str | None,
+    report: Callable[[JobOutcome], None],
+    security: Security | None = None,
 ) -> None:
-    """Run ``jobs`` on a dask cluster (:mod:`regkit.batch`), recording each in ``manifest`` from this process and
-    reporting each outcome as it arrives."""
-    try:
-        from dask.distributed import Client, as_completed
-    except ImportError:
+    """Run ``jobs`` on a dask cluster (:mod:`regkit.batch`): a :func:`local_cluster` where ``scheduler`` is None, else
+    the scheduler at that address with ``security`` (:func:`connect_scheduler`); record each in ``manifest`` from this
+    process and report each outcome as it arrives."""
+    _require_distributed()
+    from dask.distributed import Client, as_completed
+
+    if scheduler is None and security is not None:
         raise RegkitError(
-            "--executor dask needs dask.distributed: pip install 'regkit[dask]' (or 'dask[distributed]')"
-        ) from None
+            "TLS settings (--tls-ca-file, --tls-cert, --tls-key) are for a cluster given by --scheduler: the local "
+            "cluster makes its own temporary credentials"
+        )
     if not jobs:
         return
     from regkit import __version__
@@ -318,7 +488,7 @@ def run_dask(
             cluster = stack.enter_context(local_cluster(local_workers_for(jobs, workers)))
             client = stack.enter_context(Client(cluster))
         else:
-            client = stack.enter_context(Client(scheduler))
+            client = stack.enter_context(connect_scheduler(scheduler, security))
         _start_workers(client, jobs)
         book = Manifest(manifest)  # written by this process only: the workers return their outcomes
         book.start(jobs, f"dask scheduler {client.scheduler.address}")

@@ -9,13 +9,16 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from regkit.batch.dask import run_dask
 from regkit.batch.jobs import JobOutcome, recorded_outcome, run_job
 from regkit.batch.manifest import Manifest, lock_output_root
 from regkit.batch.plan import Plan, plan_actions
 from regkit.batch.report import write_report, write_summary
+
+if TYPE_CHECKING:
+    from distributed import Security
 
 
 @dataclass
@@ -36,6 +39,7 @@ def run_batch(
     executor: Literal["local", "dask"] = "local",
     workers: int | None = None,
     scheduler: str | None = None,
+    security: Security | None = None,
     retry_failed: bool = False,
     force: bool = False,
     on_outcome: Callable[[JobOutcome], None] | None = None,
@@ -93,7 +97,7 @@ def run_batch(
                 for job in todo:
                     record(run_job(job, plan.manifest))
             else:
-                run_dask(todo, plan.manifest, workers, scheduler, record)
+                run_dask(todo, plan.manifest, workers, scheduler, record, security)
         finally:
             rows = manifest.rows()
             write_summary(plan, rows)

@@ -1,10 +1,12 @@
 """``regkit batch``: dry run, exit codes, one-line errors, lock refusal, --manifest, a run killed and resumed, local
-and dask executors (2D and 3D jobs)."""
+and dask executors (2D and 3D jobs), dask schedulers given by address (tcp:// with a warning, tls:// with the --tls-*
+files, bad and unreachable addresses)."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +17,7 @@ import torch
 from regkit.batch import MANIFEST, Manifest, lock_output_root
 from regkit.io import Image, read_image, write_image
 from regkit.spatial.grid import Grid
-from tests.helpers import gaussian_blobs, run_cli
+from tests.helpers import assert_one_error_line, gaussian_blobs, run_cli
 from tests.regkit.batch.batch_cases import (
     LIST_SPEC,
     TINY_CONFIG,
@@ -132,8 +134,84 @@ def test_dask_scheduler_address(tmp_path, capsys, monkeypatch):
     spec = write_spec(tmp_path, LIST_SPEC)
     with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as c:
         assert run_cli(["batch", spec, "--executor", "dask", "--scheduler", c.scheduler_address]) == 0
-    assert "2 done, 0 skipped, 0 failed" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "2 done, 0 skipped, 0 failed" in captured.out
+    # an in-process scheduler (inproc://) is reached by no other process: no warning (tcp:// warns: test_dask.py)
+    assert [line for line in captured.err.splitlines() if line.startswith("warning: ")] == []
     assert {row["state"] for row in Manifest(tmp_path / "out" / MANIFEST).rows().values()} == {"done"}
+
+
+def test_dask_scheduler_over_tls(tmp_path, capsys, monkeypatch):
+    """A TLS cluster: the batch runs with the client's credentials as --tls-* files; with none, another client's, a
+    missing file, or on tcp://, one line naming the address and exit code 1, and nothing runs."""
+    distributed = pytest.importorskip("dask.distributed")
+    pytest.importorskip("cryptography")
+    isolate_worker_settings(monkeypatch)
+    make_data(tmp_path)
+    spec = write_spec(tmp_path, LIST_SPEC)
+    security, stranger = distributed.Security.temporary(), distributed.Security.temporary()
+    files = {"ca.pem": security.tls_ca_file, "cert.pem": security.tls_client_cert, "key.pem": security.tls_client_key}
+    files |= {"other-cert.pem": stranger.tls_client_cert, "other-key.pem": stranger.tls_client_key}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    mine = [
+        "--tls-ca-file",
+        tmp_path / "ca.pem",
+        "--tls-cert",
+        tmp_path / "cert.pem",
+        "--tls-key",
+        tmp_path / "key.pem",
+    ]
+    other = ["--tls-ca-file", tmp_path / "ca.pem", "--tls-cert", tmp_path / "other-cert.pem"]
+    other += ["--tls-key", tmp_path / "other-key.pem"]
+    with distributed.LocalCluster(
+        n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None, security=security
+    ) as cluster:
+        address = cluster.scheduler_address
+        assert address.startswith("tls://")
+        batch = ["batch", spec, "--executor", "dask", "--scheduler"]
+        for args, problem in (
+            ([address], f"--scheduler {address}: a TLS scheduler needs this client's credentials: give --tls-ca-file"),
+            ([address, *other], f"cannot connect to the dask scheduler at {address}: "),
+            ([address, *mine[:2], "--tls-cert", tmp_path / "no.pem"], f"the TLS certificate {tmp_path / 'no.pem'}: no"),
+            ([address.replace("tls://", "tcp://"), *mine], "TLS settings were given for a connection without TLS"),
+        ):
+            assert run_cli([*batch, *args]) == 1
+            assert_one_error_line(capsys, problem)
+        assert {row["state"] for row in Manifest(tmp_path / "out" / MANIFEST).rows().values()} == {"pending"}
+        assert run_cli([*batch, address, *mine]) == 0
+    captured = capsys.readouterr()
+    assert "2 done, 0 skipped, 0 failed" in captured.out and "warning:" not in captured.err
+    assert {row["state"] for row in Manifest(tmp_path / "out" / MANIFEST).rows().values()} == {"done"}
+
+
+def test_bad_or_unreachable_scheduler_is_one_line(tmp_path, capsys, monkeypatch):
+    """An address that is none, --scheduler or --tls-* without their options, a TLS scheduler where nothing listens
+    (after the connect timeout, 0.5 s here): one line naming the address, exit code 1."""
+    distributed = pytest.importorskip("dask.distributed")
+    pytest.importorskip("cryptography")
+    make_data(tmp_path)
+    spec = write_spec(tmp_path, LIST_SPEC)
+    for args, problem in (
+        (["--executor", "dask", "--scheduler", "not-an-address"], "--scheduler 'not-an-address' is not a dask"),
+        (["--executor", "dask", "--scheduler", "tls://host"], "--scheduler 'tls://host' is not a dask scheduler"),
+        (["--scheduler", "tcp://127.0.0.1:8786"], "--scheduler goes with --executor dask"),
+        (["--executor", "dask", "--tls-cert", tmp_path / "cert.pem"], "--tls-key go with --scheduler tls://HOST:PORT"),
+    ):
+        assert run_cli(["batch", spec, *args]) == 1
+        assert_one_error_line(capsys, problem)
+    assert not (tmp_path / "out").exists()  # refused before any work
+
+    security = distributed.Security.temporary()
+    for name, text in (("ca.pem", security.tls_ca_file), ("cert.pem", security.tls_client_cert)):
+        (tmp_path / name).write_text(text + security.tls_client_key)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        address = f"tls://127.0.0.1:{closed.getsockname()[1]}"
+    monkeypatch.setattr("regkit.batch.dask.CONNECT_TIMEOUT", 0.5)
+    tls = ["--tls-ca-file", tmp_path / "ca.pem", "--tls-cert", tmp_path / "cert.pem"]  # the key in the cert's file
+    assert run_cli(["batch", spec, "--executor", "dask", "--scheduler", address, *tls]) == 1
+    assert_one_error_line(capsys, f"cannot connect to the dask scheduler at {address}: ")  # timeout or refusal
 
 
 def test_manifest_option_puts_the_manifest_elsewhere(tmp_path, capsys):
@@ -190,7 +268,7 @@ def test_killed_run_resumes(tmp_path, capsys):
     assert all((p / "transform.json").is_file() for p in final)  # a folder under its final name is complete
     assert finished <= {p.name for p in final}
     mtimes = {name: (out / name / "transform.json").stat().st_mtime_ns for name in finished}
-    (out / "e_to_a.tmp-99999").mkdir()  # as a run killed while writing leaves it
+    (out / f"e_to_a.tmp-{proc.pid}@{socket.gethostname()}-abcdefgh").mkdir()  # as the killed run would leave it
 
     assert run_cli(["batch", spec]) == 0
     captured = capsys.readouterr()

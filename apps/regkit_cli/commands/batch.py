@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -27,6 +28,11 @@ def _plan_table(plan, actions: list[str]):
     return table
 
 
+def _warn_on_one_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """Print a warning as ``warning: MESSAGE`` on one line of stderr (``warnings.showwarning``'s signature)."""
+    typer.echo(f"warning: {' '.join(str(message).split())}", err=True)
+
+
 def batch(
     spec: Annotated[Path, typer.Argument(help="Batch spec (YAML): defaults, jobs/csv/glob, output, layout.")],
     dry_run: Annotated[
@@ -48,8 +54,33 @@ def batch(
     scheduler: Annotated[
         str | None,
         typer.Option(
-            help="Address of a running dask scheduler (e.g. from dask-jobqueue) instead; jobs with device cuda run "
-            "only on its workers that declare --resources GPU=1."
+            help="Address of a running dask scheduler (e.g. from dask-jobqueue) instead, tls://HOST:PORT with the "
+            "--tls-* files (tcp:// is neither encrypted nor authenticated); jobs with device cuda run only on its "
+            "workers that declare --resources GPU=1."
+        ),
+    ] = None,
+    tls_ca_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--tls-ca-file",
+            help="With --scheduler tls://...: the certificate (PEM) of the authority that signed the cluster's "
+            "certificates (default: dask's distributed.comm.tls.ca-file).",
+        ),
+    ] = None,
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(
+            "--tls-cert",
+            help="With --scheduler tls://...: this client's certificate (PEM; default: dask's "
+            "distributed.comm.tls.client.cert).",
+        ),
+    ] = None,
+    tls_key: Annotated[
+        Path | None,
+        typer.Option(
+            "--tls-key",
+            help="With --scheduler tls://...: the private key of --tls-cert, unless that file holds it (default: "
+            "dask's distributed.comm.tls.client.key).",
         ),
     ] = None,
     manifest: Annotated[
@@ -72,7 +103,16 @@ def batch(
     from rich.console import Console
 
     from regkit.batch import Manifest, load_spec, local_workers_for, plan_actions, run_batch
+    from regkit.batch.dask import scheduler_protocol, tls_security
+    from regkit.errors import RegkitError
 
+    tls_files = (tls_ca_file, tls_cert, tls_key)
+    if scheduler is not None and executor is not Executor.dask:
+        raise RegkitError("--scheduler goes with --executor dask")
+    if scheduler is None and any(tls_files):
+        raise RegkitError("--tls-ca-file, --tls-cert and --tls-key go with --scheduler tls://HOST:PORT")
+    if scheduler is not None:
+        scheduler_protocol(scheduler)  # a bad address is refused before the spec's checks
     plan = load_spec(spec, manifest)
     if dry_run:
         actions = plan_actions(plan, Manifest.read_only(plan.manifest), retry_failed, force)
@@ -114,15 +154,18 @@ def batch(
         bar.console.print(f"{outcome.name}: {status}{error}", markup=False, highlight=False, soft_wrap=True)
 
     try:
-        report = run_batch(
-            plan,
-            executor=executor.value,
-            workers=workers,
-            scheduler=scheduler,
-            retry_failed=retry_failed,
-            force=force,
-            on_outcome=show,
-        )
+        with warnings.catch_warnings():
+            warnings.showwarning = _warn_on_one_line  # e.g. that of a scheduler reached without TLS
+            report = run_batch(
+                plan,
+                executor=executor.value,
+                workers=workers,
+                scheduler=scheduler,
+                security=tls_security(*tls_files) if any(tls_files) else None,
+                retry_failed=retry_failed,
+                force=force,
+                on_outcome=show,
+            )
     finally:
         if bar.live.is_started:
             bar.stop()

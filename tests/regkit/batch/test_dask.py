@@ -1,12 +1,18 @@
-"""``regkit.batch.dask``: the dask executor without dask, the local workers (GPU pinning, threads, devices), and on dask
-clusters RegkitWorkerPlugin (version check, GPU pinning, threads, process settings and node-local caches), GPU jobs
-only on workers that declare the GPU resource, and a batch through dask-jobqueue's own local job cluster (the
-job-script machinery of SLURMCluster without SLURM)."""
+"""``regkit.batch.dask``: the dask executor without dask, the local workers (GPU pinning, threads, devices), the local
+cluster's security (TLS only, no HTTP), the connection to a scheduler given by address (its checks, credentials and
+timeout), and on dask clusters RegkitWorkerPlugin (version check, GPU pinning, threads, process settings and
+node-local caches), GPU jobs only on workers that declare the GPU resource, and a batch through dask-jobqueue's own
+local job cluster (the job-script machinery of SLURMCluster without SLURM)."""
 
 from __future__ import annotations
 
+import asyncio
+import http.client
+import operator
 import os
+import socket
 import sys
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -85,6 +91,114 @@ def test_dask_executor_with_gpus_pins_and_checks_devices(tmp_path, monkeypatch):
     with pytest.raises(RegkitError, match=r"job b_to_a: device 'cuda:1' with --executor dask: .*use device 'cuda'"):
         run_batch(plan, executor="dask")
     assert {row["state"] for row in Manifest(plan.manifest).rows().values()} == {"pending"}  # nothing ran
+
+
+# --- security: the local cluster, a scheduler given by address -----------------------------------------------------
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports on which process ``pid`` listens."""
+    import psutil
+
+    return {c.laddr.port for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+
+def test_local_cluster_is_tls_only_and_serves_no_http():
+    """Every port that the local cluster's processes listen on (the scheduler and the nanny in this process, the
+    worker in its own) is one of its dask TLS addresses: nothing answers HTTP there, and a client without the
+    cluster's credentials (none, or others) cannot connect; the cluster's own client can."""
+    distributed = pytest.importorskip("dask.distributed")
+    pytest.importorskip("cryptography")
+    pytest.importorskip("psutil")
+    from distributed.comm import connect
+
+    stranger = distributed.Security.temporary()
+
+    async def refused(port: int) -> None:
+        for address, args in (
+            (f"tls://127.0.0.1:{port}", stranger.get_connection_args("client")),
+            (f"tcp://127.0.0.1:{port}", {}),
+        ):
+            with pytest.raises(OSError):  # the TLS handshake fails, or the connection is closed
+                await connect(address, timeout=2, **args)
+
+    before = listening_ports(os.getpid())
+    with (
+        batch_dask.local_cluster(plan_local_workers(1, gpus=0, cpus=1)) as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        assert client.submit(operator.add, 1, 2).result() == 3
+        workers = client.run(os.getpid)  # worker address -> process id
+        addresses = [cluster.scheduler_address, *(nanny.address for nanny in cluster.workers.values()), *workers]
+        ports = listening_ports(os.getpid()) - before
+        for pid in workers.values():
+            ports |= listening_ports(pid)
+        info = client.scheduler_info()
+        for port in ports:
+            asyncio.run(refused(port))
+            with pytest.raises((OSError, http.client.HTTPException)):
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+        with pytest.raises(
+            RegkitError, match=r"tls://127\.0\.0\.1:\d+: a TLS scheduler needs this client's credentials"
+        ):
+            batch_dask.connect_scheduler(cluster.scheduler_address)
+        with pytest.raises(RegkitError, match=r"cannot connect to the dask scheduler at tls://127"):
+            batch_dask.connect_scheduler(cluster.scheduler_address, stranger)
+        with batch_dask.connect_scheduler(cluster.scheduler_address, cluster.security) as own:
+            assert own.submit(operator.add, 2, 3).result() == 5
+    assert len(addresses) == 3 and all(address.startswith("tls://127.0.0.1:") for address in addresses)
+    assert ports == {int(address.rsplit(":", 1)[1]) for address in addresses}  # no HTTP server, no dashboard
+    assert info["services"] == {} and [w["services"] for w in info["workers"].values()] == [{}]
+
+
+def test_scheduler_addresses_and_tls_settings(tmp_path):
+    pytest.importorskip("dask.distributed")
+    dask = pytest.importorskip("dask")
+    assert batch_dask.scheduler_protocol("tls://10.0.0.5:8786") == "tls"
+    assert batch_dask.scheduler_protocol("10.0.0.5:8786") == "tcp"  # dask's default protocol
+    assert batch_dask.scheduler_protocol("tcp://[::1]:8786") == "tcp"
+    for address, problem in (
+        ("not-an-address", "missing port number"),
+        ("tls://host", "missing port number"),
+        ("foo://host:8786", "unknown protocol foo://"),
+        ("tcp://host:port", "invalid literal"),
+    ):
+        with pytest.raises(RegkitError) as err:
+            batch_dask.scheduler_protocol(address)
+        assert f"--scheduler {address!r} is not a dask scheduler address ({problem}" in str(err.value)
+    config = {"distributed.comm.tls.ca-file": "/etc/dask/ca.pem", "distributed.comm.tls.client.key": "/etc/k.pem"}
+    with dask.config.set(config):
+        security = batch_dask.tls_security(cert=tmp_path / "mine.pem")
+    assert security.require_encryption
+    assert security.get_tls_config_for_role("client") == {
+        "ca_file": "/etc/dask/ca.pem",  # not given: dask's configuration
+        "ciphers": None,
+        "cert": str(tmp_path / "mine.pem"),
+        "key": "/etc/k.pem",
+    }
+    with pytest.raises(RegkitError, match=r"tls://127.0.0.1:8786: the TLS CA certificate /etc/dask/ca.pem: no such"):
+        batch_dask.connect_scheduler("tls://127.0.0.1:8786", security)
+    with pytest.raises(RegkitError, match=r"TLS settings were given for a connection without TLS \(tcp://\)"):
+        batch_dask.connect_scheduler("tcp://127.0.0.1:8786", security)
+
+
+def test_a_scheduler_that_does_not_answer_is_a_one_line_error(monkeypatch):
+    """A port where nothing listens, and one that accepts connections and stays silent (dask's own connection would
+    wait for its handshake without end): one line each, after :data:`CONNECT_TIMEOUT` seconds (here 0.5)."""
+    pytest.importorskip("dask.distributed")
+    monkeypatch.setattr(batch_dask, "CONNECT_TIMEOUT", 0.5)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        free = closed.getsockname()[1]
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        for address in (f"tcp://127.0.0.1:{free}", f"tcp://127.0.0.1:{silent.getsockname()[1]}"):
+            with pytest.warns(UserWarning, match=r"reached over tcp://, neither encrypted nor authenticated"):
+                with pytest.raises(RegkitError) as err:
+                    batch_dask.connect_scheduler(address)
+            message = str(err.value)
+            assert address in message and "0.5 s" in message and "\n" not in message
 
 
 # --- dask clusters: RegkitWorkerPlugin, GPU resources, dask-jobqueue ------------------------------------------------
