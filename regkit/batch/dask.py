@@ -128,9 +128,7 @@ def _require_distributed() -> None:
     try:
         import dask.distributed  # noqa: F401
     except ImportError:
-        raise RegkitError(
-            "--executor dask needs dask.distributed: pip install 'regkit[dask]' (or 'dask[distributed]')"
-        ) from None
+        raise RegkitError("--executor dask needs dask.distributed: pip install 'regkit[dask]'") from None
 
 
 @functools.cache
@@ -271,36 +269,31 @@ def connect_scheduler(address: str, security: Security | None = None) -> Client:
     ``tcp``) with ``security`` (None: dask's configuration, ``distributed.comm.tls.*``), which must give a CA
     certificate, a client certificate and its key for ``tls://`` and ``wss://`` (:func:`tls_security`). ``tcp://``,
     ``ws://`` and ``ucx://`` are neither encrypted nor authenticated (whoever reaches the scheduler can run code on its
-    workers): a ``UserWarning``, and refused with ``security`` given, which would go unused. Raises
-    :class:`RegkitError`, one line naming the address, for an address that is none, missing or unusable credentials,
-    and a scheduler that does not answer within :data:`CONNECT_TIMEOUT` seconds or refuses the connection."""
+    workers): a ``UserWarning``, and refused with ``security`` given, which would go unused (``inproc://``, this
+    process's own scheduler: neither). Raises :class:`RegkitError`, one line naming the address, for an address that
+    is none, missing or unusable credentials, and a scheduler that refuses the connection or does not answer within
+    :data:`CONNECT_TIMEOUT` seconds."""
     from dask.distributed import Client, Security
 
     scheme = scheduler_protocol(address)
+    given, security = security is not None, Security() if security is None else security
     if scheme in ("tls", "wss"):
-        security = Security() if security is None else security
         _check_tls_files(address, security)
-    elif security is not None and scheme != "inproc":
-        raise RegkitError(
-            f"--scheduler {address}: TLS settings were given for a connection without TLS ({scheme}://); give the "
-            "scheduler's tls:// address"
-        )
+    elif scheme != "inproc" and given:
+        raise RegkitError(f"--scheduler {address}: TLS settings were given, but {scheme}:// has no TLS: use tls://")
     elif scheme != "inproc":
         warnings.warn(
             f"the dask scheduler {address} is reached over {scheme}://, neither encrypted nor authenticated: anyone "
             "who reaches it can run code on its workers; use tls:// with --tls-ca-file, --tls-cert, --tls-key",
             stacklevel=2,
         )
-    security = Security() if security is None else security
     try:
         _handshake_within(address, security.get_connection_args("client"), CONNECT_TIMEOUT)
         return Client(address, security=security, timeout=CONNECT_TIMEOUT)
-    except (TimeoutError, asyncio.TimeoutError):
-        raise RegkitError(
-            f"cannot connect to the dask scheduler at {address}: no answer in {CONNECT_TIMEOUT:g} s"
-        ) from None
-    except Exception as err:  # refused, name unknown, TLS handshake failed, not a dask server, ...
-        raise RegkitError(f"cannot connect to the dask scheduler at {address}: {one_line(err)}") from None
+    except Exception as err:  # refused, name unknown, TLS handshake failed, not a dask server, no answer
+        timeout = isinstance(err, TimeoutError | asyncio.TimeoutError)
+        reason = f"no answer within {CONNECT_TIMEOUT:g} s" if timeout else one_line(err)
+        raise RegkitError(f"cannot connect to the dask scheduler at {address}: {reason}") from None
 
 
 # --- what RegkitWorkerPlugin does in each dask worker -----------------------------------------------------------------

@@ -132,7 +132,9 @@ def test_dask_scheduler_address(tmp_path, capsys, monkeypatch):
     isolate_worker_settings(monkeypatch)  # in-process workers: RegkitWorkerPlugin's settings are made here
     make_data(tmp_path)
     spec = write_spec(tmp_path, LIST_SPEC)
-    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as c:
+    with distributed.LocalCluster(
+        n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None, protocol="tcp"
+    ) as c:
         assert run_cli(["batch", spec, "--executor", "dask", "--scheduler", c.scheduler_address]) == 0
     captured = capsys.readouterr()
     assert "2 done, 0 skipped, 0 failed" in captured.out
@@ -165,7 +167,7 @@ def test_dask_scheduler_over_tls(tmp_path, capsys, monkeypatch):
     other = ["--tls-ca-file", tmp_path / "ca.pem", "--tls-cert", tmp_path / "other-cert.pem"]
     other += ["--tls-key", tmp_path / "other-key.pem"]
     with distributed.LocalCluster(
-        n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None, security=security
+        n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None, protocol="tls", security=security
     ) as cluster:
         address = cluster.scheduler_address
         assert address.startswith("tls://")
@@ -174,7 +176,7 @@ def test_dask_scheduler_over_tls(tmp_path, capsys, monkeypatch):
             ([address], f"--scheduler {address}: a TLS scheduler needs this client's credentials: give --tls-ca-file"),
             ([address, *other], f"cannot connect to the dask scheduler at {address}: "),
             ([address, *mine[:2], "--tls-cert", tmp_path / "no.pem"], f"the TLS certificate {tmp_path / 'no.pem'}: no"),
-            ([address.replace("tls://", "tcp://"), *mine], "TLS settings were given for a connection without TLS"),
+            ([address.replace("tls://", "tcp://"), *mine], "TLS settings were given, but tcp:// has no TLS"),
         ):
             assert run_cli([*batch, *args]) == 1
             assert_one_error_line(capsys, problem)

@@ -178,7 +178,7 @@ def test_scheduler_addresses_and_tls_settings(tmp_path):
     }
     with pytest.raises(RegkitError, match=r"tls://127.0.0.1:8786: the TLS CA certificate /etc/dask/ca.pem: no such"):
         batch_dask.connect_scheduler("tls://127.0.0.1:8786", security)
-    with pytest.raises(RegkitError, match=r"TLS settings were given for a connection without TLS \(tcp://\)"):
+    with pytest.raises(RegkitError, match=r"TLS settings were given, but tcp:// has no TLS: use tls://"):
         batch_dask.connect_scheduler("tcp://127.0.0.1:8786", security)
 
 
